@@ -1,0 +1,39 @@
+"""Version checks for the libraries safepad patches."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TESTED_TRANSFORMERS", "check_transformers_version"]
+
+#: transformers versions safepad is tested against: [min, max) on the 5.x line.
+TESTED_TRANSFORMERS = ("5.23.0", "6.0.0")
+
+
+def _parse(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def check_transformers_version(version: str | None = None) -> bool:
+    """Warn (once, at import) when transformers is outside the tested range; return True if inside."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    lo, hi = TESTED_TRANSFORMERS
+    ok = _parse(lo) <= _parse(version) < _parse(hi)
+    if not ok:
+        msg = (
+            f"safepad is tested with transformers >= {lo}, < {hi}; found {version}. The patched mixers follow "
+            "the 5.23 module layout: run `safepad audit` on your model to confirm that wrapping is still correct."
+        )
+        warnings.warn(msg, UserWarning, stacklevel=3)
+        logger.warning(msg)
+    return ok
