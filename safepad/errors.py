@@ -1,0 +1,22 @@
+"""Exceptions and warnings raised by safepad.
+
+``PaddingWarning`` and ``PaddingError`` report a batch layout that an unwrapped state-space model would
+process silently wrong (right padding with a cache, packed rows, holes in the mask); see
+:func:`safepad.guard`. ``UnsupportedModelError`` is raised when :func:`safepad.wrap` finds nothing it can fix.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PaddingWarning", "PaddingError", "UnsupportedModelError"]
+
+
+class PaddingWarning(UserWarning):
+    """A batch layout that gives wrong results on an unwrapped SSM / linear-attention model."""
+
+
+class PaddingError(ValueError):
+    """Raised instead of :class:`PaddingWarning` when the guard runs with ``mode="error"``."""
+
+
+class UnsupportedModelError(ValueError):
+    """Raised when :func:`safepad.wrap` finds nothing in the model that it can fix."""
