@@ -1,0 +1,13 @@
+"""Ops: the torch core (varlen conv, dt pipeline, chunked scans) with optional CUDA kernel dispatch."""
+
+from __future__ import annotations
+
+from .conv import causal_conv1d, causal_conv1d_step, conv_states_from_inputs
+from .dt import process_dt
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_step",
+    "conv_states_from_inputs",
+    "process_dt",
+]

@@ -1,0 +1,306 @@
+"""Depthwise causal conv1d that respects packed-sequence boundaries, padding and cached states.
+
+Layouts: sequence tensors are token-major ``x [B, T, D]``; the depthwise weight is ``[D, K]``; conv
+states are ``[B, D, S]`` (``S >= K - 1``), the previous inputs of each row, oldest first — the HF cache
+layout ``conv_states [B, D, K]`` works directly.
+
+The torch core runs everywhere and is differentiable. On CUDA with ``causal-conv1d`` installed, the
+calls that kernel can express exactly go to ``causal_conv1d_fn`` / ``causal_conv1d_update``; states are
+always gathered by the torch code here (an exact gather, not a computation), so both paths agree.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from safepad.layout.boundaries import cu_seqlens_from_seq_idx, sequence_ids, validate_seq_idx
+
+from . import kernels
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["causal_conv1d", "causal_conv1d_step", "conv_states_from_inputs"]
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half types are computed in float32)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _check_activation(activation: str | None) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+
+
+def _activate(y: Tensor, activation: str | None) -> Tensor:
+    return F.silu(y) if activation in ("silu", "swish") else y
+
+
+def _check_token_mask(token_mask: Tensor | None, B: int, T: int) -> Tensor | None:
+    """``token_mask [B, T]`` bool/int -> bool, or ``None``."""
+    if token_mask is None:
+        return None
+    if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (B, T):
+        shape = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+        raise ValueError(f"token_mask must have shape [batch, seqlen] = {(B, T)} (True/1 = real token), got {shape}")
+    if token_mask.dtype.is_floating_point or token_mask.dtype.is_complex:
+        raise ValueError(f"token_mask must be bool or integer (True/1 = real token), got {token_mask.dtype}")
+    return token_mask.bool()
+
+
+def conv_states_from_inputs(
+    x: Tensor,
+    state_len: int,
+    *,
+    seq_idx: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    token_mask: Tensor | None = None,
+    return_final_state: bool = True,
+    return_varlen_states: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Gather conv states: the last ``state_len`` real inputs of each sequence.
+
+    Args:
+        x: conv inputs ``[B, T, D]`` (before the conv, not the outputs).
+        state_len: number of columns ``L`` of each state.
+        seq_idx: ``[B, T]`` int32 (validated by the caller) or ``None`` (one sequence per row).
+        initial_state: ``[B, D, S]`` previous inputs of each row (oldest first); they precede the row's
+            FIRST sequence only.
+        token_mask: ``[B, T]`` bool or ``None``; masked tokens are not present.
+
+    Returns:
+        ``(final_state [B, D, L] | None, varlen_states [S_total, D, L] | None)``: a state per row (its last
+        sequence) and per sequence (row-major order of appearance), zero-filled on the left when fewer
+        than ``L`` inputs exist.
+    """
+    Bsz, T, D = x.shape
+    L = state_len
+    dev = x.device
+    if seq_idx is None:
+        seq_idx = torch.zeros(Bsz, T, dtype=torch.int32, device=dev)
+    n_tok = Bsz * T
+    sid = sequence_ids(seq_idx).reshape(-1)  # [N] global sequence id, row-major
+    cu = cu_seqlens_from_seq_idx(seq_idx).long()  # [S + 1]
+    n_seq = cu.numel() - 1
+    starts, ends = cu[:-1], cu[1:]  # [S], [S] (exclusive end)
+    valid = torch.ones(n_tok, dtype=torch.long, device=dev) if token_mask is None else token_mask.reshape(-1).long()
+    rc = torch.flip(torch.cumsum(torch.flip(valid, (0,)), 0), (0,))  # [N] valid tokens at positions >= t
+    rc = torch.cat([rc, rc.new_zeros(1)])  # [N + 1]
+    after = rc[ends]  # [S] valid tokens after each sequence
+    count = rc[starts] - after  # [S] valid tokens in each sequence
+    rank = rc[:n_tok] - after[sid]  # [N] 1 = last valid token of its sequence
+    S_init = 0 if initial_state is None else initial_state.shape[-1]
+    zero_row = n_tok + Bsz * S_init
+    idx = torch.full((n_seq, L), zero_row, dtype=torch.long, device=dev)  # [S, L] source rows
+    take = (valid > 0) & (rank <= L)  # [N]
+    pos = take.nonzero().squeeze(1)  # [n_take]
+    idx[sid[pos], L - rank[pos]] = pos
+    if initial_state is not None:
+        first_of_row = (starts % T) == 0  # [S]
+        row = starts // T  # [S]
+        need = (L - count).clamp(min=0)  # [S] columns not filled by this sequence's own tokens
+        j = torch.arange(L, device=dev)[None, :]  # [1, L]
+        col = S_init - need[:, None] + j  # [S, L] column of initial_state feeding state column j
+        use = first_of_row[:, None] & (j < need[:, None]) & (col >= 0)  # [S, L]
+        init_rows = n_tok + row[:, None] * S_init + col  # [S, L]
+        idx = torch.where(use, init_rows, idx)
+    parts = [x.reshape(n_tok, D)]  # [N, D]
+    if initial_state is not None:
+        parts.append(initial_state.transpose(1, 2).reshape(Bsz * S_init, D).to(x.dtype))  # [B * S_init, D]
+    parts.append(x.new_zeros(1, D))
+    src = torch.cat(parts, 0)  # [N + B * S_init + 1, D]
+    states = src[idx].transpose(1, 2)  # [S, L, D] -> [S, D, L]
+    final = None
+    if return_final_state:
+        last = sid.reshape(Bsz, T)[:, -1]  # [B] id of each row's last sequence
+        final = states[last]  # [B, D, L]
+    return final, (states if return_varlen_states else None)
+
+
+def _conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, init: Tensor | None) -> Tensor:
+    """Pre-activation depthwise causal conv. x ``[B, T, D]`` (already masked), init ``[B, D, K-1]`` | None."""
+    Bsz, T, D = x.shape
+    K = weight.shape[1]
+    if init is None:
+        init = x.new_zeros(Bsz, D, K - 1)
+    if seq_idx is None:
+        xp = torch.cat([init, x.transpose(1, 2)], dim=2)  # [B, D, K-1+T]
+        y = F.conv1d(xp, weight.unsqueeze(1), bias, groups=D)  # [B, D, T]
+        return y.transpose(1, 2)  # [B, T, D]
+    xp = torch.cat([init.transpose(1, 2), x], dim=1)  # [B, K-1+T, D]
+    seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
+    y = x.new_zeros(Bsz, T, D) if bias is None else bias.expand(Bsz, T, D)
+    for k in range(K):  # K is the (tiny) kernel width; y[t] += w[:, k] * x[t - (K-1-k)]
+        same = (seqp[:, k : k + T] == seq_idx).unsqueeze(-1).to(x.dtype)  # [B, T, 1]
+        y = y + xp[:, k : k + T] * same * weight[:, k]
+    return y
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    activation: str | None = None,
+    seq_idx: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    token_mask: Tensor | None = None,
+    return_final_state: bool = False,
+    state_len: int | None = None,
+    return_varlen_states: bool = False,
+    backend: str = "auto",
+):
+    """Depthwise causal conv1d over packed / padded rows.
+
+    Args:
+        x: ``[B, T, D]``.
+        weight: ``[D, K]``; bias: ``[D]`` or ``None``; activation: ``None`` | ``"silu"`` | ``"swish"``.
+        seq_idx: ``[B, T]`` int32, non-decreasing per row; the window never reaches across a boundary.
+        initial_state: ``[B, D, S]`` with ``S >= K - 1``, the previous inputs of each row (oldest first);
+            only its last ``K - 1`` columns feed the conv, and only the row's FIRST sequence sees them.
+        token_mask: ``[B, T]`` bool/int, True = real token. Masked inputs are zeros in the conv and are
+            not present for the returned states. With ``initial_state``, masked tokens must be trailing.
+        return_final_state: also return ``final_state [B, D, state_len]``: the last ``state_len`` real
+            inputs of each row's last sequence from ``[initial_state || x]`` (the initial state only when
+            the last sequence is the first), zero-filled on the left.
+        state_len: columns of the returned states (default ``K - 1``).
+        return_varlen_states: also return ``varlen_states [S_total, D, state_len]``, one per sequence in
+            row-major order of appearance, same rule.
+        backend: ``"auto"`` | ``"torch"`` | ``"kernels"`` (see ``safepad.ops.kernels.use_kernels``).
+
+    Returns:
+        ``y [B, T, D]`` (dtype of ``x``), then ``final_state`` and ``varlen_states`` when requested.
+    """
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must have shape [batch, seqlen, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    Bsz, T, D = x.shape
+    if T == 0:
+        raise ValueError("x must have at least one token (seqlen >= 1)")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [dim, width] = [{D}, K], got {tuple(weight.shape)}")
+    K = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"bias must have shape [dim] = [{D}], got {tuple(bias.shape)}")
+    _check_activation(activation)
+    if seq_idx is not None:
+        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
+    mask = _check_token_mask(token_mask, Bsz, T)
+    if initial_state is not None:
+        if initial_state.dim() != 3 or initial_state.shape[:2] != (Bsz, D) or initial_state.shape[2] < K - 1:
+            raise ValueError(
+                f"initial_state must have shape [batch, dim, S] = [{Bsz}, {D}, S >= {K - 1}] (previous inputs, "
+                f"oldest first), got {tuple(initial_state.shape)}"
+            )
+    if state_len is None:
+        state_len = K - 1
+    if state_len < 1 and (return_final_state or return_varlen_states):
+        raise ValueError(f"state_len must be >= 1 to return conv states, got {state_len}")
+
+    ct = _compute_dtype(x.dtype, weight.dtype)
+    xc = x.to(ct)
+    if mask is not None:
+        xc = xc * mask.unsqueeze(-1).to(ct)  # [B, T, D]
+    init_tail = None
+    if initial_state is not None and K > 1:
+        init_tail = initial_state[:, :, initial_state.shape[2] - (K - 1) :].to(ct)  # [B, D, K-1]
+    w, b = weight.to(ct), (bias.to(ct) if bias is not None else None)
+
+    kernel_ok = not (seq_idx is not None and init_tail is not None)  # causal_conv1d_fn takes one or the other
+    if kernel_ok and kernels.use_kernels(x, weight, need=("causal_conv1d_fn",), backend=backend):
+        x_k = x.transpose(1, 2)  # [B, D, T] channel-last view (stride(1) == 1)
+        if mask is not None:
+            x_k = (x * mask.unsqueeze(-1).to(x.dtype)).transpose(1, 2)
+        init_k = None
+        if init_tail is not None:
+            init_k = initial_state[:, :, initial_state.shape[2] - (K - 1) :].to(x.dtype)
+            init_k = init_k.transpose(1, 2).contiguous().transpose(1, 2)  # [B, D, K-1], channel-last
+        y = kernels.causal_conv1d_fn(
+            x_k,
+            weight.to(x.dtype),
+            bias.to(x.dtype) if bias is not None else None,
+            seq_idx=seq_idx,
+            initial_states=init_k,
+            activation=activation,
+        ).transpose(1, 2)  # [B, T, D]
+    else:
+        if backend == "kernels" and not kernel_ok:
+            raise ValueError(
+                "backend='kernels': causal_conv1d_fn cannot take seq_idx together with initial_state; "
+                "use backend='auto' to route this call to the torch core"
+            )
+        y = _activate(_conv_torch(xc, w, b, seq_idx, init_tail), activation).to(x.dtype)
+
+    out: list[Tensor] = [y]
+    if return_final_state or return_varlen_states:
+        final, varlen = conv_states_from_inputs(
+            x,
+            state_len,
+            seq_idx=seq_idx,
+            initial_state=initial_state,
+            token_mask=mask,
+            return_final_state=return_final_state,
+            return_varlen_states=return_varlen_states,
+        )
+        if return_final_state:
+            out.append(final)
+        if return_varlen_states:
+            out.append(varlen)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def causal_conv1d_step(
+    x: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    activation: str | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """One decode step.
+
+    Args:
+        x: ``[B, D]`` the new input; conv_state: ``[B, D, S]`` (``S >= K - 1``, oldest first).
+        weight: ``[D, K]``; bias: ``[D]`` | None.
+
+    Returns:
+        ``(y [B, D], new_state [B, D, S])``: ``new_state`` is ``conv_state`` rolled left by one with ``x``
+        appended (a new tensor; ``conv_state`` is not modified).
+    """
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise ValueError(f"x must have shape [batch, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    Bsz, D = x.shape
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != D:
+        raise ValueError(f"weight must have shape [dim, width] = [{D}, K], got {tuple(weight.shape)}")
+    K = weight.shape[1]
+    if conv_state.dim() != 3 or conv_state.shape[:2] != (Bsz, D) or conv_state.shape[2] < max(K - 1, 1):
+        raise ValueError(
+            f"conv_state must have shape [batch, dim, S] = [{Bsz}, {D}, S >= {max(K - 1, 1)}], got {tuple(conv_state.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"bias must have shape [dim] = [{D}], got {tuple(bias.shape)}")
+    _check_activation(activation)
+    S = conv_state.shape[2]
+    same_dtype = conv_state.dtype == x.dtype == weight.dtype
+    if (
+        S >= K
+        and same_dtype
+        and not torch.is_grad_enabled()
+        and kernels.use_kernels(x, conv_state, weight, need=("causal_conv1d_update",), backend=backend)
+    ):
+        new_state = conv_state.clone()
+        y = kernels.causal_conv1d_update(x, new_state, weight, bias, activation=activation)  # updates new_state
+        return y, new_state
+    new_state = torch.cat([conv_state[:, :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=2)  # [B, D, S]
+    ct = _compute_dtype(x.dtype, weight.dtype, conv_state.dtype)
+    window = torch.cat([conv_state.to(ct), x.unsqueeze(-1).to(ct)], dim=2)[:, :, -K:]  # [B, D, K]
+    y = (window * weight.to(ct)).sum(-1)  # [B, D]
+    if bias is not None:
+        y = y + bias.to(ct)
+    return _activate(y, activation).to(x.dtype), new_state
