@@ -1,0 +1,191 @@
+"""Per-call context: packed boundaries normalised once per model call and handed to every mixer.
+
+Many families drop ``**kwargs`` before their mixers (``Mamba2ForCausalLM``, Jamba's Mamba layers, Mamba,
+FalconMamba), so boundaries cannot travel as arguments. A model-level forward pre-hook normalises them
+(``seq_idx`` / ``cu_seq_lens_q|k`` / packed ``position_ids``) into one ``[B, T]`` ``seq_idx`` and puts it
+in a :class:`contextvars.ContextVar` for the duration of the call. Mixers read it from there; a mixer
+called directly may also receive the boundaries as its own kwargs.
+
+Gradient checkpointing re-runs mixer forwards during backward, after the model call returned; each
+mixer therefore remembers the boundaries of its last forward and re-uses them only while autograd is
+running a backward pass (see :func:`resolve_seq_idx`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .layout.boundaries import (
+    position_ids_restart,
+    seq_idx_from_cu_seqlens,
+    seq_idx_from_position_ids,
+    validate_cu_seqlens,
+    validate_seq_idx,
+)
+
+__all__ = ["CallContext", "current_context", "boundaries_from_kwargs", "resolve_seq_idx", "BOUNDARY_KWARGS"]
+
+#: kwargs that describe packed boundaries (consumed by safepad, never needed by a recurrent mixer itself).
+BOUNDARY_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What one model call told safepad about its layout.
+
+    ``seq_idx`` ``[B, T]`` int32 when the rows are packed (several sequences in a row), else ``None``.
+    """
+
+    seq_idx: Tensor | None
+    shape: tuple[int, int]
+    source: str = "none"
+
+    @property
+    def packed(self) -> bool:
+        return self.seq_idx is not None
+
+
+_CONTEXT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("safepad_call_context", default=None)
+
+
+def current_context() -> CallContext | None:
+    """The context of the model call in progress, if any."""
+    return _CONTEXT.get()
+
+
+def set_context(ctx: CallContext | None) -> contextvars.Token:
+    return _CONTEXT.set(ctx)
+
+
+def reset_context(token: contextvars.Token) -> None:
+    _CONTEXT.reset(token)
+
+
+def _multi_sequence(seq_idx: Tensor) -> bool:
+    return bool((seq_idx[:, -1] != seq_idx[:, 0]).any()) if seq_idx.shape[1] > 1 else False
+
+
+def boundaries_from_kwargs(
+    shape: tuple[int, int],
+    *,
+    seq_idx: Tensor | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    cu_seq_lens_k: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    padding_mask: Tensor | None = None,
+) -> tuple[Tensor | None, str]:
+    """Normalise every way of describing packed rows into ``seq_idx`` ``[B, T]`` int32 (or ``None``).
+
+    * ``seq_idx`` ``[B, T]``: validated (integer, non-decreasing per row).
+    * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[S + 1]``: cumulative over the flattened ``[B * T]`` tokens; they
+      must agree with each other, end at ``B * T``, put a boundary at every row start, and agree with ``seq_idx``
+      when both are given.
+    * ``position_ids`` ``[B, T]`` restarting at 0 inside a row (TRL ``padding_free``): read as packing only when
+      no padding mask is in play and the ids are 2-D. When ``seq_idx`` / ``cu_seq_lens`` are given too, packed
+      ``position_ids`` must put their restarts at the same places.
+
+    Returns ``(seq_idx or None, source)``; ``None`` when every row holds a single sequence.
+    Raises ``ValueError`` naming the argument on any inconsistency.
+    """
+    B, T = shape
+    source = "none"
+    out: Tensor | None = None
+    if seq_idx is not None:
+        out = validate_seq_idx(seq_idx, (B, T))
+        source = "seq_idx"
+    cu = None
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+            q = validate_cu_seqlens(cu_seq_lens_q, B * T, "cu_seq_lens_q")
+            k = validate_cu_seqlens(cu_seq_lens_k, B * T, "cu_seq_lens_k")
+            if q.shape != k.shape or not torch.equal(q.to(k.device), k):
+                raise ValueError(
+                    "cu_seq_lens_q and cu_seq_lens_k differ: a recurrent layer has one set of boundaries, so pass "
+                    "the same cumulative lengths for both (self-attention over packed rows)"
+                )
+            cu = q
+        else:
+            name = "cu_seq_lens_q" if cu_seq_lens_q is not None else "cu_seq_lens_k"
+            cu = validate_cu_seqlens(cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k, B * T, name)
+        flat = seq_idx_from_cu_seqlens(cu, B * T, "cu_seq_lens_q")  # [1, B*T]
+        if B > 1:
+            starts = torch.arange(B, device=cu.device) * T  # [B]
+            if not bool(torch.isin(starts.to(cu.dtype), cu).all()):
+                raise ValueError(
+                    "cu_seq_lens_q describes a sequence that crosses from one row into the next: with batch > 1 "
+                    "every row start must be a boundary (or flatten the batch to [1, total])"
+                )
+        from_cu = flat.view(B, T)  # [B, T]
+        if out is not None:
+            if not torch.equal(_change_points(out), _change_points(from_cu.to(out.device))):
+                raise ValueError(
+                    "cu_seq_lens_q disagrees with seq_idx: they put sequence boundaries at different tokens; pass "
+                    "boundaries from one source (the safepad collator emits consistent ones)"
+                )
+        else:
+            out, source = from_cu, "cu_seq_lens"
+    if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2 and padding_mask is None:
+        if position_ids.shape[0] == B and position_ids.shape[1] == T and position_ids_restart(position_ids):
+            from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+            if out is not None:
+                if not torch.equal(_change_points(out), _change_points(from_pos.to(out.device))):
+                    raise ValueError(
+                        f"position_ids disagree with {source}: they restart at 0 at different tokens than the "
+                        "sequence boundaries; pass position_ids that restart at each boundary, or omit them"
+                    )
+            else:
+                out, source = from_pos, "position_ids"
+    if out is not None and not _multi_sequence(out):
+        return None, source
+    return out, source
+
+
+def _change_points(seq_idx: Tensor) -> Tensor:
+    """``[B, T - 1]`` bool: a new sequence starts at token t + 1."""
+    return seq_idx[:, 1:] != seq_idx[:, :-1]
+
+
+def position_ids_from_seq_idx(seq_idx: Tensor) -> Tensor:
+    """Positions restarting at 0 at every boundary: ``[B, T]`` int64."""
+    B, T = seq_idx.shape
+    pos = torch.arange(T, device=seq_idx.device).expand(B, T)  # [B, T]
+    start = torch.ones(B, T, dtype=torch.bool, device=seq_idx.device)
+    start[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    start_pos = torch.where(start, pos, torch.zeros_like(pos))  # [B, T]
+    return pos - torch.cummax(start_pos, dim=1).values  # [B, T]
+
+
+def _in_backward() -> bool:
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:
+    """The ``seq_idx`` ``[B, T]`` a mixer must use for this call, or ``None`` (one sequence per row).
+
+    Order: boundaries passed to the mixer itself > the model call's context > (only while autograd is
+    running a backward, i.e. gradient-checkpoint recomputation) the boundaries of this mixer's last forward.
+    Boundary kwargs are popped from ``kwargs``.
+    """
+    direct = {k: kwargs.pop(k, None) for k in BOUNDARY_KWARGS}
+    if any(direct[k] is not None for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")):
+        seq_idx, _ = boundaries_from_kwargs(
+            shape, seq_idx=direct["seq_idx"], cu_seq_lens_q=direct["cu_seq_lens_q"], cu_seq_lens_k=direct["cu_seq_lens_k"]
+        )
+        module._safepad_last_seq_idx = seq_idx
+        return seq_idx
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.shape == tuple(shape):
+        module._safepad_last_seq_idx = ctx.seq_idx
+        return ctx.seq_idx
+    if ctx is None and _in_backward():
+        last = getattr(module, "_safepad_last_seq_idx", None)
+        if last is not None and tuple(last.shape) == tuple(shape):
+            return last
+    return None

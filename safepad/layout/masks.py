@@ -1,0 +1,108 @@
+"""Padding masks: classify a ``[B, T]`` mask and move each row's real tokens to the front.
+
+safepad's ops take a *right-padded* token mask (real tokens first, pads trailing) together with an
+optional cached state. Any other layout (left pads, holes) is first *compacted*: a per-row gather moves
+the real tokens to the front, the mixer runs, and a scatter puts the outputs back where they came from.
+Compaction keeps the order of the real tokens, so a left pad inside a continuation chunk can no longer
+sit between the cached context and the new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "normalize_mask",
+    "trailing_pad_counts",
+    "has_holes",
+    "is_right_padded",
+    "Compaction",
+]
+
+
+def normalize_mask(attention_mask: Tensor | None, shape: tuple[int, int], name: str = "attention_mask") -> Tensor | None:
+    """A 2-D padding mask as bool ``[B, T]``, or ``None`` when there is none or it is all ones.
+
+    The mask may be longer than ``T`` (a full-length mask during chunked prefill or decode); its last ``T``
+    columns are the current tokens. Anything that is not a 2-D mask (a 4-D custom mask, a dict of masks)
+    carries no padding information for a recurrent layer and gives ``None``.
+    """
+    if attention_mask is None or not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        return None
+    B, T = shape
+    if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(
+            f"{name} has shape {tuple(attention_mask.shape)} but the input has [batch, seqlen] = [{B}, {T}]: "
+            "pass a [batch, seqlen] mask (or the full-length mask of the cached context plus the new tokens)"
+        )
+    mask = attention_mask[:, -T:].to(torch.bool)  # [B, T]
+    if bool(mask.all()):
+        return None
+    return mask
+
+
+def trailing_pad_counts(mask: Tensor) -> Tensor:
+    """Number of trailing zeros in each row of a ``[B, T]`` mask: ``[B]`` int64."""
+    m = mask.to(torch.bool)
+    T = m.shape[1]
+    pos = torch.arange(1, T + 1, device=m.device)  # [T]
+    last_real = (m * pos).amax(dim=1)  # [B]; 0 for an all-pad row
+    return T - last_real
+
+
+def has_holes(mask: Tensor) -> Tensor:
+    """Per row: is there a pad between two real tokens?  ``[B]`` bool."""
+    m = mask.to(torch.bool)
+    T = m.shape[1]
+    pos = torch.arange(T, device=m.device)  # [T]
+    first_real = torch.where(m, pos, torch.full_like(pos, T)).amin(dim=1)  # [B]
+    last_real = torch.where(m, pos, torch.full_like(pos, -1)).amax(dim=1)  # [B]
+    n_real = m.sum(dim=1)  # [B]
+    return (n_real > 0) & ((last_real - first_real + 1) != n_real)
+
+
+def is_right_padded(mask: Tensor) -> bool:
+    """True when every row of ``[B, T]`` is real tokens followed only by pads (no left pads, no holes)."""
+    m = mask.to(torch.bool)
+    if m.shape[1] < 2:
+        return True
+    return not bool((m[:, 1:] & ~m[:, :-1]).any())
+
+
+@dataclass
+class Compaction:
+    """Per-row gather that moves real tokens to the front of each row (stable), and its inverse scatter.
+
+    ``index``  ``[B, T]`` int64: position in the original row of the token that lands at each slot
+    (real tokens first, in order, then the pads). ``mask`` ``[B, T]`` bool: the compacted (right-padded) mask.
+    """
+
+    index: Tensor
+    mask: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> "Compaction":
+        m = mask.to(torch.bool)
+        B, T = m.shape
+        pos = torch.arange(T, device=m.device).expand(B, T)  # [B, T]
+        # real tokens sort before pads, ties keep their order (stable sort on the key "is pad")
+        key = (~m).to(torch.int8)
+        index = torch.sort(key, dim=1, stable=True).indices  # [B, T]
+        lengths = m.sum(dim=1)  # [B]
+        new_mask = pos < lengths[:, None]  # [B, T]
+        return cls(index=index, mask=new_mask, lengths=lengths)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``x`` ``[B, T, ...]`` in the original layout -> compacted layout."""
+        idx = self.index.view(*self.index.shape, *([1] * (x.dim() - 2))).expand_as(x)  # [B, T, ...]
+        return torch.gather(x, 1, idx)
+
+    def scatter(self, y: Tensor) -> Tensor:
+        """``y`` ``[B, T, ...]`` in the compacted layout -> original layout; pad positions get zeros."""
+        y = y * self.mask.view(*self.mask.shape, *([1] * (y.dim() - 2))).to(y.dtype)
+        idx = self.index.view(*self.index.shape, *([1] * (y.dim() - 2))).expand_as(y)  # [B, T, ...]
+        return torch.zeros_like(y).scatter(1, idx, y)

@@ -1,0 +1,61 @@
+"""Pieces every generic mixer shares: layout preparation (mask, compaction, boundaries) and output restore."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..context import resolve_seq_idx
+from ..layout.masks import Compaction, is_right_padded, normalize_mask
+
+__all__ = ["Layout", "prepare_layout"]
+
+
+@dataclass
+class Layout:
+    """How the tokens of this mixer call are laid out.
+
+    ``mask`` ``[B, T]`` bool right-padded token mask (``None``: every token is real);
+    ``seq_idx`` ``[B, T]`` int32 packed boundaries (``None``: one sequence per row);
+    ``compaction``: set when the rows were compacted (left pads / holes) and outputs must be scattered back.
+    """
+
+    mask: Tensor | None
+    seq_idx: Tensor | None
+    compaction: Compaction | None
+
+    def restore(self, out: Tensor) -> Tensor:
+        """Put ``out`` ``[B, T, ...]`` back into the caller's token order."""
+        return self.compaction.scatter(out) if self.compaction is not None else out
+
+
+def prepare_layout(
+    module: torch.nn.Module, hidden_states: Tensor, attention_mask: Tensor | None, cache, kwargs: dict
+) -> tuple[Tensor, Layout]:
+    """Normalise the mask and boundaries of one mixer call and compact rows when needed.
+
+    ``hidden_states`` ``[B, T, C]`` -> (possibly compacted ``hidden_states``, :class:`Layout`).
+    Raises ``ValueError`` for packed rows together with a cache, or packed rows together with padding.
+    """
+    B, T = hidden_states.shape[:2]
+    seq_idx = resolve_seq_idx(module, (B, T), kwargs)
+    mask = normalize_mask(attention_mask, (B, T))
+    if seq_idx is not None and cache is not None:
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a packed row holds several "
+            "sequences but a cache was requested; the cache keeps one state per row, so there is no right state to "
+            "store. Call with use_cache=False for packed inputs, or pad (left or right) instead of packing."
+        )
+    if seq_idx is not None and mask is not None:
+        raise ValueError(
+            "packed boundaries (seq_idx / cu_seq_lens / position_ids) came together with an attention_mask that "
+            "has zeros; describe padding either as its own segment in the packed row or with a mask, not both"
+        )
+    compaction = None
+    if mask is not None and not is_right_padded(mask):
+        compaction = Compaction.from_mask(mask)
+        hidden_states = compaction.gather(hidden_states)  # [B, T, C] real tokens first
+        mask = compaction.mask
+    return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction)

@@ -1,0 +1,121 @@
+"""The generic padding-correct Mamba2 mixer (Nemotron-H, Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid, Zamba2).
+
+All six transformers 5.23 mixers share one structure::
+
+    in_proj(x) -> [z | xBC | dt] -> causal conv(xBC) -> [x | B | C] -> SSD scan -> gated norm(y, z) -> out_proj
+
+and differ only in details a :class:`~safepad.specs.MixerSpec` declares (Falcon-H1's multipliers and
+optional norm). This forward reads the module's own attributes at call time (``time_step_limit``,
+``chunk_size``, ...) and calls ``in_proj``, ``norm`` and ``out_proj`` as modules, so PEFT adapters on them
+stay active. Shapes: ``B`` batch, ``T`` tokens, ``I`` intermediate size ``= H * P``, ``H`` heads, ``P`` head
+dim, ``G`` groups, ``N`` state size, ``K`` conv width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cache import read_states, write_states
+from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.ssd import ssd_scan, ssd_step
+from .common import prepare_layout
+
+__all__ = ["mamba2_mixer_forward"]
+
+
+def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):
+    """Padding/packing-correct forward of a Mamba2-style mixer. ``hidden_states`` ``[B, T, hidden]``."""
+    opts = self._safepad_spec.options
+    backend = self._safepad_backend
+    cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
+    hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
+    Bsz, T, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    mask = layout.mask
+    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    I = H * P  # noqa: E741 - intermediate size
+    conv_dim = self.conv_dim
+
+    if mask is not None:
+        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+    if opts.get("in_multiplier"):
+        hidden_states = hidden_states * getattr(self, opts["in_multiplier"])
+    projected = self.in_proj(hidden_states)  # [B, T, I + conv_dim + H]
+    if opts.get("proj_multiplier"):
+        projected = projected * getattr(self, opts["proj_multiplier"])
+    gate, xBC, dt = projected.split([I, conv_dim, H], dim=-1)  # [B,T,I], [B,T,conv_dim], [B,T,H]
+
+    A = -torch.exp(self.A_log.float())  # [H]
+    weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
+    K = weight.shape[-1]
+    past = read_states(cache, self.layer_idx)
+
+    if past.has_previous and T == 1:
+        # decode: one token per row, continuing from the cache
+        xBC_t, conv_new = causal_conv1d_step(
+            xBC[:, 0], past.conv, weight, self.conv1d.bias, activation=self.activation, backend=backend
+        )  # [B, conv_dim], [B, conv_dim, K]
+        x, Bm, Cm = xBC_t.split([I, G * N, G * N], dim=-1)
+        y, ssm_new = ssd_step(
+            past.recurrent,
+            x.reshape(Bsz, H, P),  # [B, H, P]
+            dt[:, 0],  # [B, H]
+            A,
+            Bm.reshape(Bsz, G, N),  # [B, G, N]
+            Cm.reshape(Bsz, G, N),  # [B, G, N]
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_limit=tuple(self.time_step_limit),
+            backend=backend,
+        )  # [B, H, P], [B, H, P, N]
+        if mask is not None:  # a masked decode token leaves its row's states untouched
+            keep = mask[:, 0]
+            conv_new = torch.where(keep[:, None, None], conv_new, past.conv)
+            ssm_new = torch.where(keep[:, None, None, None], ssm_new, past.recurrent.to(ssm_new.dtype))
+        write_states(cache, self.layer_idx, conv=conv_new, recurrent=ssm_new)
+        y = y.reshape(Bsz, 1, I)  # [B, 1, I]
+    else:
+        want_state = cache is not None
+        conv_out = causal_conv1d(
+            xBC,
+            weight,
+            self.conv1d.bias,
+            activation=self.activation,
+            seq_idx=layout.seq_idx,
+            initial_state=past.conv,
+            token_mask=mask,
+            return_final_state=want_state,
+            state_len=K,
+            backend=backend,
+        )
+        xBC, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, conv_dim], [B, conv_dim, K]
+        x, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
+        scan_out = ssd_scan(
+            x.reshape(Bsz, T, H, P),  # [B, T, H, P]
+            dt,  # [B, T, H]
+            A,
+            Bm.reshape(Bsz, T, G, N),  # [B, T, G, N]
+            Cm.reshape(Bsz, T, G, N),  # [B, T, G, N]
+            chunk_size=self.chunk_size,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_limit=tuple(self.time_step_limit),
+            seq_idx=layout.seq_idx,
+            initial_state=past.recurrent,
+            token_mask=mask,
+            return_final_state=want_state,
+            backend=backend,
+        )
+        y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, H, P], [B, H, P, N]
+        if want_state:
+            write_states(cache, self.layer_idx, conv=conv_final.to(xBC.dtype), recurrent=ssm_final)
+        y = y.reshape(Bsz, T, I)  # [B, T, I]
+
+    if opts.get("optional_norm_attr") and not getattr(self, opts["optional_norm_attr"]):
+        y = y * F.silu(gate.float()).to(y.dtype)  # Falcon-H1 without mamba_rms_norm: plain SiLU gate
+    else:
+        y = self.norm(y, gate)
+    out = self.out_proj(y.to(dtype))  # [B, T, hidden]
+    return layout.restore(out)

@@ -1,0 +1,82 @@
+"""The registry of family specs, keyed by ``config.model_type`` and by mixer class name.
+
+A :class:`MixerSpec` is a small declarative description of how one family's recurrent mixer differs from
+the generic implementation of its kind (``safepad.mixers``). ``safepad.wrap`` walks the module tree,
+finds every module whose class name a spec lists, and patches it with the spec's generic forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MixerSpec", "register", "spec_for_module", "specs_for_model_type", "supported_model_types", "all_specs"]
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """How to make one family's mixer padding-correct.
+
+    Attributes:
+        model_type: ``config.model_type`` of the family (the registry key), e.g. ``"nemotron_h"``.
+        kind: which generic implementation serves it: ``"mamba2"``, ``"mamba1"``, ``"gated_delta"``, ``"short_conv"``.
+        mixer_classes: class names of the modules to patch (matched anywhere in the tree, so a VLM whose
+            language model is of this family is covered).
+        forward: the generic forward, called as ``forward(module, *args, **kwargs)``.
+        options: family differences the generic forward reads (multipliers, gate variant, ...).
+        hybrid: whether the family interleaves attention layers (they need packed ``position_ids``).
+        packed_attention_mask: for hybrids whose mask construction ignores ``position_ids`` (GraniteMoeHybrid):
+            the mask-mapping keys to fill with a block-diagonal causal mask on packed inputs.
+        dt_limit: whether the mixer carries a ``time_step_limit`` attribute (decode scenarios with limits).
+    """
+
+    model_type: str
+    kind: str
+    mixer_classes: tuple[str, ...]
+    forward: Callable[..., Any]
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    hybrid: bool = False
+    packed_attention_mask: tuple[str, ...] = ()
+    dt_limit: bool = False
+    description: str = ""
+
+
+_BY_MODEL_TYPE: dict[str, MixerSpec] = {}
+_BY_CLASS: dict[str, MixerSpec] = {}
+
+
+def register(spec: MixerSpec) -> MixerSpec:
+    """Add a family spec. Class names must be unique across families."""
+    if spec.model_type in _BY_MODEL_TYPE:
+        raise ValueError(f"a spec for model_type {spec.model_type!r} is already registered")
+    for name in spec.mixer_classes:
+        if name in _BY_CLASS:
+            raise ValueError(f"mixer class {name!r} is already claimed by {_BY_CLASS[name].model_type!r}")
+    _BY_MODEL_TYPE[spec.model_type] = spec
+    for name in spec.mixer_classes:
+        _BY_CLASS[name] = spec
+    return spec
+
+
+def spec_for_module(module: Any) -> MixerSpec | None:
+    """The spec that patches this module's class, if any (matched on the original class name)."""
+    cls = getattr(module, "_safepad_original_class", type(module))
+    return _BY_CLASS.get(cls.__name__)
+
+
+def specs_for_model_type(model_type: str) -> MixerSpec | None:
+    return _BY_MODEL_TYPE.get(model_type)
+
+
+def supported_model_types() -> list[str]:
+    """Every ``config.model_type`` safepad can wrap, sorted."""
+    return sorted(_BY_MODEL_TYPE)
+
+
+def all_specs() -> list[MixerSpec]:
+    return [_BY_MODEL_TYPE[k] for k in sorted(_BY_MODEL_TYPE)]

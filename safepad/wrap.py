@@ -1,0 +1,274 @@
+"""``safepad.wrap(model)``: make every supported recurrent mixer in a model padding- and packing-correct.
+
+One generic patcher. It walks the module tree, finds each module whose class a family spec lists
+(``safepad.specs``), and swaps that module's class for a generated subclass whose ``forward`` is the
+spec's generic implementation. Parameters, buffers, ``state_dict`` keys and the config are untouched,
+``print(model)`` shows ``Safepad<Mixer>(safepad=..., ...)`` for each patched module, and
+:func:`unwrap` restores the original classes exactly.
+
+A forward pre-hook on the model (and on every ``PreTrainedModel`` inside it that holds patched mixers)
+normalises packed boundaries once per call (``seq_idx``, ``cu_seq_lens_q/k``, or ``position_ids`` that
+restart at 0) and hands them to the mixers through a context variable, because several families drop
+``**kwargs`` before their mixers. On packed calls it also:
+
+* raises when a cache was explicitly requested (``use_cache=True`` or a cache passed): the cache holds
+  one state per row, and a packed row holds several sequences;
+* turns off the cache that would come only from the config default (so a Trainer step works);
+* synthesises ``position_ids`` that restart at each boundary for hybrids, so their attention layers see
+  the boundaries too (transformers detects packing from ``position_ids``);
+* builds the block-diagonal attention mask for hybrids whose mask construction ignores ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+import torch
+from torch import nn
+
+from . import specs as _specs  # noqa: F401 - registers the family specs
+from .context import CallContext, boundaries_from_kwargs, position_ids_from_seq_idx, reset_context, set_context
+from .context import current_context
+from .errors import UnsupportedModelError
+from .specs.registry import MixerSpec, spec_for_module, supported_model_types
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["wrap", "unwrap", "is_wrapped", "supported_model_types", "wrapped_modules"]
+
+_BACKENDS = ("auto", "torch", "kernels")
+_CLASS_CACHE: dict[tuple[type, str], type] = {}
+
+try:
+    from transformers.integrations.accelerate import force_accelerate_hooks as _force_accelerate_hooks
+except Exception:  # noqa: BLE001 - older transformers: no offload hooks to fire
+    _force_accelerate_hooks = None
+
+
+def _patched_class(orig: type, spec: MixerSpec) -> type:
+    """``Safepad<Orig>``: a subclass of the mixer's class whose forward is the spec's generic forward."""
+    key = (orig, spec.model_type)
+    if key in _CLASS_CACHE:
+        return _CLASS_CACHE[key]
+
+    def forward(self, *args, **kwargs):
+        return spec.forward(self, *args, **kwargs)
+
+    if _force_accelerate_hooks is not None and spec.options.get("accelerate_children", ("conv1d",)):
+        forward = _force_accelerate_hooks(list(spec.options.get("accelerate_children", ("conv1d",))))(forward)
+
+    def extra_repr(self) -> str:
+        base = orig.extra_repr(self)
+        tag = f"safepad={spec.kind}:{spec.model_type}, backend={self._safepad_backend}"
+        return f"{tag}, {base}" if base else tag
+
+    name = f"Safepad{orig.__name__}"
+    cls = type(
+        name,
+        (orig,),
+        {
+            "forward": forward,
+            "extra_repr": extra_repr,
+            "_safepad_original_class": orig,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{orig.__name__} patched by safepad ({spec.kind} generic mixer). Undo with safepad.unwrap.",
+        },
+    )
+    _CLASS_CACHE[key] = cls
+    setattr(sys.modules[__name__], name, cls)  # so pickle / torch.save of a wrapped model finds the class
+    return cls
+
+
+def wrapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every patched mixer in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "_safepad_spec", None) is not None]
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """True when ``model`` holds at least one safepad-patched mixer."""
+    return any(getattr(m, "_safepad_spec", None) is not None for m in model.modules())
+
+
+def _model_type(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "model_type", type(model).__name__)
+
+
+def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Patch every supported recurrent mixer in ``model`` in place and return ``model``.
+
+    Args:
+        model: any ``nn.Module``; mixers are found anywhere in the tree (a VLM whose language model is
+            Nemotron-H is covered).
+        backend: ``"auto"`` (CUDA kernels when the tensors are on CUDA and mamba-ssm / causal-conv1d import,
+            else the torch core), ``"torch"`` (always the torch core) or ``"kernels"`` (require the kernels).
+
+    Idempotent: wrapping again only updates ``backend``. Raises :class:`safepad.UnsupportedModelError`
+    (a ``ValueError``) when the model holds no supported mixer.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"safepad.wrap expects a torch.nn.Module, got {type(model).__name__}")
+    patched: list[str] = []
+    owners: set[int] = set()
+    for name, module in model.named_modules():
+        spec = spec_for_module(module)
+        if spec is None:
+            continue
+        if getattr(module, "_safepad_spec", None) is None:
+            module._safepad_original_class = type(module)
+            module.__class__ = _patched_class(type(module), spec)
+            module._safepad_spec = spec
+            patched.append(name)
+        module._safepad_backend = backend
+        owners.add(id(module))
+    if not owners:
+        raise UnsupportedModelError(
+            f"safepad.wrap found no supported recurrent mixer in this {type(model).__name__} "
+            f"(model_type={_model_type(model)!r}). Supported model types: {', '.join(supported_model_types())}."
+        )
+    _install_model_hooks(model)
+    if patched:
+        logger.info("safepad: wrapped %d mixer(s) of %s (backend=%s)", len(patched), _model_type(model), backend)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo :func:`wrap`: restore every mixer's original class and remove the model hooks. Returns ``model``."""
+    for module in model.modules():
+        orig = module.__dict__.pop("_safepad_original_class", None)
+        if orig is not None:
+            module.__class__ = orig
+        for attr in ("_safepad_spec", "_safepad_backend", "_safepad_last_seq_idx"):
+            module.__dict__.pop(attr, None)
+        for handle in module.__dict__.pop("_safepad_hook_handles", []):
+            handle.remove()
+        module.__dict__.pop("_safepad_tokens", None)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model-level hooks: boundaries -> context, cache policy for packed calls, attention boundaries for hybrids
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _install_model_hooks(model: nn.Module) -> None:
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # noqa: BLE001
+        PreTrainedModel = ()  # type: ignore[assignment]
+    targets = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
+    for target in targets:
+        if "_safepad_hook_handles" in target.__dict__:
+            continue
+        specs = [m._safepad_spec for m in target.modules() if getattr(m, "_safepad_spec", None) is not None]
+        if not specs:
+            continue
+        params = inspect.signature(target.forward).parameters
+        info = {
+            "accepts_position_ids": "position_ids" in params,
+            "var_kwargs": any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()),
+            "params": tuple(params),
+            "hybrid": any(s.hybrid for s in specs),
+            "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
+        }
+        target._safepad_tokens = []
+        pre = target.register_forward_pre_hook(_make_pre_hook(info), with_kwargs=True)
+        post = target.register_forward_hook(_post_hook, always_call=True)
+        target._safepad_hook_handles = [pre, post]
+
+
+def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
+    for n in names:
+        v = kwargs.get(n)
+        if isinstance(v, torch.Tensor):
+            return v
+    for i, a in enumerate(args):
+        if i < len(params) and params[i] in names and isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _make_pre_hook(info: dict):
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+        if current_context() is not None:  # nested model call (VLM -> language model): the outer call decided
+            module._safepad_tokens.append(None)
+            return None
+        params = info["params"]
+        ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
+        if ids is None or ids.dim() < 2:
+            module._safepad_tokens.append(None)
+            return None
+        B, T = ids.shape[0], ids.shape[1]
+        mask = kwargs.get("attention_mask")
+        padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
+        position_ids = kwargs.get("position_ids")
+        seq_idx, source = boundaries_from_kwargs(
+            (B, T),
+            seq_idx=kwargs.get("seq_idx"),
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+            position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
+            padding_mask=mask if padding else None,
+        )
+        kwargs.pop("seq_idx", None)
+        if not info["var_kwargs"]:
+            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                if k not in params:
+                    kwargs.pop(k, None)
+        if seq_idx is not None:
+            if padding:
+                raise ValueError(
+                    f"packed boundaries ({source}) came together with an attention_mask that has zeros: describe "
+                    "padding as its own segment of the packed row (the safepad collator does) or pad without packing"
+                )
+            explicit = kwargs.get("use_cache") is True or any(
+                kwargs.get(k) is not None for k in ("past_key_values", "cache_params")
+            )
+            if explicit:
+                raise ValueError(
+                    f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
+                    "keeps one recurrent state per row, so there is no right state to store. Call with "
+                    "use_cache=False, or pad the sequences (left or right) instead of packing them."
+                )
+            if "use_cache" in params or info["var_kwargs"]:
+                kwargs["use_cache"] = False  # the config default would build a cache nobody can use
+            if info["hybrid"] and position_ids is None and info["accepts_position_ids"]:
+                kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)
+            if info["packed_attention_mask"]:
+                kwargs["attention_mask"] = _packed_mask_mapping(module, ids, seq_idx, info["packed_attention_mask"])
+        token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source))
+        module._safepad_tokens.append(token)
+        return args, kwargs
+
+    return pre_hook
+
+
+def _post_hook(module: nn.Module, args, output):
+    tokens = module.__dict__.get("_safepad_tokens")
+    if tokens:
+        token = tokens.pop()
+        if token is not None:
+            reset_context(token)
+    return None
+
+
+def _packed_mask_mapping(module: nn.Module, ids: torch.Tensor, seq_idx: torch.Tensor, keys: tuple[str, ...]) -> dict:
+    """Block-diagonal causal masks for hybrids whose own mask construction ignores packing."""
+    from transformers.masking_utils import create_causal_mask
+
+    config = module.config
+    B, T = seq_idx.shape
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    shape_only = torch.empty(B, T, 0, dtype=dtype, device=seq_idx.device)  # create_causal_mask reads shape/dtype
+    positions = position_ids_from_seq_idx(seq_idx)
+    full = create_causal_mask(
+        config=config, inputs_embeds=shape_only, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+    mapping: dict = {k: full for k in keys}
+    mapping.setdefault("linear_attention", None)
+    return mapping
