@@ -11,11 +11,26 @@ __all__ = ["PaddingWarning", "PaddingError", "UnsupportedModelError"]
 
 
 class PaddingWarning(UserWarning):
-    """A batch layout that gives wrong results on an unwrapped SSM / linear-attention model."""
+    """A batch layout that gives wrong results on an unwrapped SSM / linear-attention model.
+
+    ``kind`` names what was detected (``"right_padding_with_cache"``, ``"packed"``, ``"mask_holes"``,
+    ``"right_padding_tokenizer"``), or is ``None``.
+    """
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class PaddingError(ValueError):
-    """Raised instead of :class:`PaddingWarning` when the guard runs with ``mode="error"``."""
+    """Raised instead of :class:`PaddingWarning` when the guard runs with ``mode="error"``.
+
+    ``kinds`` names everything detected in the offending forward (see :class:`PaddingWarning`).
+    """
+
+    def __init__(self, message: str, kinds: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.kinds = tuple(kinds)
 
 
 class UnsupportedModelError(ValueError):
