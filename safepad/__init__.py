@@ -1,10 +1,27 @@
-"""safepad: padding- and packing-correct Mamba-family and hybrid SSMs in HuggingFace transformers."""
+"""safepad: padding- and packing-correct Mamba-family and hybrid SSMs in HuggingFace transformers.
+
+One import is enough::
+
+    import safepad
+    model = safepad.wrap(model)                      # packed / padded / chunked / decode: all correct
+    collator = safepad.DataCollatorForPackedSSM()    # pack instead of pad
+    trainer.add_callback(safepad.PaddingGuardCallback(mode="error"))
+
+Layers: ``safepad.layout`` (boundaries, masks) -> ``safepad.ops`` (torch core + CUDA kernel dispatch) ->
+``safepad.specs`` / ``safepad.mixers`` (one generic mixer per kind, a small spec per family) ->
+``safepad.wrap`` / ``safepad.guard`` -> ``safepad.cli`` (``safepad audit``). The collators and the Trainer
+callback live in the top-level packages ``collators`` and ``trainer_ext`` and are re-exported here.
+Public names are imported lazily, so ``import safepad`` stays cheap.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import Any
 
 from ._compat import check_transformers_version
+from .errors import PaddingError, PaddingWarning, UnsupportedModelError
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -12,4 +29,40 @@ __version__ = "0.1.0"
 
 check_transformers_version()
 
-__all__ = ["__version__"]
+# ``wrap`` and ``guard`` are both submodules and functions: bind the functions eagerly, here, so that the
+# package attribute is the function whatever imports the submodule later.
+from .wrap import is_wrapped, supported_model_types, unwrap, wrap  # noqa: E402
+
+# The collators and the Trainer callback pull in datasets / the Trainer: import them on first use.
+_LAZY = {
+    "DataCollatorForPackedSSM": "collators",
+    "pack_dataset": "collators",
+    "packing_stats": "collators",
+    "PackingStats": "collators",
+    "PaddingGuardCallback": "trainer_ext",
+}
+
+__all__ = [
+    "__version__",
+    "PaddingError",
+    "PaddingWarning",
+    "UnsupportedModelError",
+    "is_wrapped",
+    "supported_model_types",
+    "unwrap",
+    "wrap",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'safepad' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
