@@ -1,0 +1,111 @@
+"""``PaddingGuardCallback``: the safepad guard for ``transformers.Trainer`` (and TRL's trainers).
+
+It installs :func:`safepad.guard` on the model at train begin and removes it at train end, warns at train
+begin when the tokenizer pads on the right for an unwrapped SSM model, and adds the guard's batch
+statistics to the Trainer's logs at every logging step::
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[PaddingGuardCallback(mode="error")])
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from transformers import TrainerCallback
+
+from safepad.errors import PaddingWarning
+from safepad.guard import GUARD_MODES, GuardHandle, get_guard, guard
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KIND_TOKENIZER", "PaddingGuardCallback"]
+
+KIND_TOKENIZER = "right_padding_tokenizer"
+
+
+def _padding_side(processing_class: Any) -> str | None:
+    """``padding_side`` of a tokenizer, or of the tokenizer inside a processor; ``None`` when there is none."""
+    if processing_class is None:
+        return None
+    side = getattr(processing_class, "padding_side", None)
+    if side is None:
+        side = getattr(getattr(processing_class, "tokenizer", None), "padding_side", None)
+    return side if isinstance(side, str) else None
+
+
+class PaddingGuardCallback(TrainerCallback):
+    """Guard a Trainer's model against padding / packing layouts that an unwrapped SSM gets silently wrong.
+
+    Args:
+        mode: passed to :func:`safepad.guard`: ``"warn"``, ``"error"`` or ``"fix"``.
+        log_stats: add ``safepad/pad_fraction``, ``safepad/tokens_per_batch``, ``safepad/sequences_per_batch``
+            and ``safepad/right_padded_default_cache`` (means over the forwards since the previous log) to the
+            Trainer's logs; evaluation logs get the same keys prefixed with ``eval_``.
+
+    The logs dict is mutated in ``on_log`` and the entry that the Trainer has just appended to
+    ``state.log_history`` is updated too. Reporting integrations (wandb, tensorboard, ...) run their
+    ``on_log`` before user callbacks, so they do not see these keys; ``ProgressCallback`` / ``PrinterCallback``
+    and callbacks added after this one do.
+
+    The right-padding tokenizer check only warns (whatever the mode): training on right-padded rows without a
+    cache is correct; it is generation / evaluation with a cache that goes wrong, which the guard catches.
+    """
+
+    def __init__(self, mode: str = "warn", log_stats: bool = True) -> None:
+        if mode not in GUARD_MODES:
+            raise ValueError(f"mode must be one of {GUARD_MODES}, got {mode!r}")
+        self.mode = mode
+        self.log_stats = bool(log_stats)
+        self.handle: GuardHandle | None = None
+        self._owns_handle = False
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if model is None:
+            raise ValueError("PaddingGuardCallback needs the Trainer to pass `model` to on_train_begin")
+        existing = get_guard(model)
+        if existing is not None:
+            logger.info("PaddingGuardCallback: reusing the safepad guard already installed on the model")
+            self.handle, self._owns_handle = existing, False
+        else:
+            self.handle, self._owns_handle = guard(model, self.mode, collect_stats=self.log_stats), True
+        if self.handle.info is None or self.handle.is_wrapped():
+            return
+        tokenizer = processing_class if processing_class is not None else kwargs.get("tokenizer")
+        if _padding_side(tokenizer) == "right":
+            msg = (
+                f"safepad: the tokenizer pads on the right and {self.handle.info.describe()} is not wrapped. "
+                "Training without a cache is unaffected, but generation or evaluation with a cache on right-padded "
+                "rows caches the state after the pads. Fix: tokenizer.padding_side = 'left' for generation, or "
+                "call safepad.wrap(model)."
+            )
+            logger.warning("%s", msg)
+            if KIND_TOKENIZER not in self.handle.warned:
+                self.handle.warned.add(KIND_TOKENIZER)
+                warnings.warn(PaddingWarning(msg, KIND_TOKENIZER), stacklevel=2)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self.log_stats or self.handle is None or logs is None:
+            return
+        is_eval = any(str(k).startswith("eval_") for k in logs)
+        stats = self.handle.pop_stats(training=not is_eval)
+        if not stats:
+            return
+        if is_eval:
+            stats = {f"eval_{k}": v for k, v in stats.items()}
+        history = getattr(state, "log_history", None)
+        last = history[-1] if history else None
+        same_entry = (
+            isinstance(last, dict)
+            and last.get("step") == state.global_step
+            and all(k in last and last[k] == v for k, v in logs.items())
+        )
+        logs.update(stats)
+        if same_entry:
+            last.update(stats)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.handle is not None and self._owns_handle:
+            self.handle.remove()
+        self.handle, self._owns_handle = None, False
