@@ -1,0 +1,51 @@
+"""Test utilities shipped with safepad: tiny in-memory models and the stock-vs-wrapped scenario engine."""
+
+from __future__ import annotations
+
+from .scenarios import (
+    PACKED_LENGTHS,
+    SCENARIOS,
+    AuditReport,
+    ScenarioResult,
+    audit,
+    cache_states,
+    default_tol,
+    packed_loss_grad_errors,
+    pad_sweep,
+    run_matrix,
+    run_scenario,
+)
+from .tiny import (
+    CACHE_PARAMS_FAMILIES,
+    FAMILIES,
+    GDN_FAMILIES,
+    MAMBA1_FAMILIES,
+    MAMBA2_FAMILIES,
+    find_mixers,
+    strengthen_mixers,
+    tiny_config,
+    tiny_model,
+)
+
+__all__ = [
+    "FAMILIES",
+    "MAMBA2_FAMILIES",
+    "MAMBA1_FAMILIES",
+    "GDN_FAMILIES",
+    "CACHE_PARAMS_FAMILIES",
+    "tiny_config",
+    "tiny_model",
+    "strengthen_mixers",
+    "find_mixers",
+    "SCENARIOS",
+    "PACKED_LENGTHS",
+    "ScenarioResult",
+    "AuditReport",
+    "default_tol",
+    "cache_states",
+    "run_scenario",
+    "run_matrix",
+    "audit",
+    "pad_sweep",
+    "packed_loss_grad_errors",
+]

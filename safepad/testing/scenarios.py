@@ -1,0 +1,788 @@
+"""The scenario matrix: every padding / packing / caching layout, checked against per-sequence runs.
+
+The reference for every scenario is each sequence run ALONE through the stock (unwrapped) model: a full
+forward without padding, without packing and (unless the scenario needs a cache) without a cache. A model
+under test (stock or wrapped) runs the same tokens in the scenario's layout and is compared with it:
+
+==================== ======================================================================================
+name                 layout
+==================== ======================================================================================
+packed_position_ids  sequences of lengths 1, 3, 17, 33 back to back in one ``[1, T]`` row, positions
+                     restarting at 0 (TRL ``padding_free``), ``use_cache=False``
+packed_seq_idx       the same row plus ``seq_idx`` ``[1, T]`` int32
+packed_cu_seq_lens   the same row plus ``cu_seq_lens_q/k`` ``[N + 1]`` int32 and ``max_length_q/k``
+right_pad_decode     3 rows of different lengths, right-padded, cached prefill then 3 greedy decode steps
+left_pad_decode      the same, left-padded
+chunked_prefill      2 rows fed through the cache in uneven chunks (splits 5, 16, 19, 31)
+chunked_prefill_pad  the same with one row right-padded inside the last chunk
+decode_default       8-token cached prefill, then token-by-token decode, vs one full forward
+decode_dt_min        the same with every mixer's ``time_step_limit = (0.05, inf)`` (Mamba2 family only)
+decode_dt_max        the same with ``time_step_limit = (0.0, 0.01)`` (Mamba2 family only)
+generate             left-padded greedy ``generate`` of 3 prompts vs each prompt generated alone
+==================== ======================================================================================
+
+Caching scenarios also compare the cached states right after the prefill (per layer: conv state and
+recurrent/SSM state of every row vs the row's own run). A model that raises is a finding, not a crash: the
+exception is recorded in :attr:`ScenarioResult.error`.
+
+Mask conventions follow ``generate()``: the 2-D ``attention_mask`` always spans past + current tokens, and
+position ids are ``cumsum(mask) - 1`` with pads set to 1. The families whose forward takes ``cache_params=``
+(mamba, mamba2, falcon_mamba) get no mask on single-token decode steps, as ``generate()`` does for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SCENARIOS",
+    "PACKED_LENGTHS",
+    "ScenarioResult",
+    "AuditReport",
+    "default_tol",
+    "cache_states",
+    "run_scenario",
+    "run_matrix",
+    "audit",
+    "pad_sweep",
+    "packed_loss_grad_errors",
+]
+
+SCENARIOS: tuple[str, ...] = (
+    "packed_position_ids",
+    "packed_seq_idx",
+    "packed_cu_seq_lens",
+    "right_pad_decode",
+    "left_pad_decode",
+    "chunked_prefill",
+    "chunked_prefill_pad",
+    "decode_default",
+    "decode_dt_min",
+    "decode_dt_max",
+    "generate",
+)
+
+#: Sequence lengths of the packed row: a length-1 sequence, and lengths on both sides of chunk 16 / 32.
+PACKED_LENGTHS: tuple[int, ...] = (1, 3, 17, 33)
+_PAD_LENGTHS = (7, 19, 12)  # rows of the padded-decode batch
+_DECODE_STEPS = 3
+# chunk boundaries: uneven sizes 5, 11, 3, 12, 9, mostly off the chunk_size grid. No 1-token chunk: that would
+# take the single-token decode path, which decode_* scenarios check on their own.
+_CHUNK_SPLITS = (5, 16, 19, 31)
+_CHUNK_LEN = 40
+_CHUNK_PAD_LEN = 35  # real length of the padded row in chunked_prefill_pad (pads inside the last chunk)
+_DT_PREFIX, _DT_LEN = 8, 20
+_DT_LIMITS = {"decode_dt_min": (0.05, math.inf), "decode_dt_max": (0.0, 0.01)}
+_GEN_LENGTHS = (5, 11, 8)
+_GEN_NEW_TOKENS = 5
+_PAD_ID = 0
+_FIRST_TOKEN = 3  # random tokens avoid pad/bos/eos ids
+
+
+def default_tol(dtype: torch.dtype) -> float:
+    """Max |Δ logits| tolerated for a model computing in ``dtype`` (1e-4 for fp32)."""
+    return {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-4)
+
+
+@dataclass
+class ScenarioResult:
+    """Outcome of one scenario on one model.
+
+    Attributes:
+        name: scenario id (one of :data:`SCENARIOS`).
+        applicable: False when the scenario does not apply to the model (e.g. dt limits on a non-Mamba2 mixer).
+        max_abs_logits: max |Δ logits| over every compared token (None when not applicable or raised).
+        state_errors: max |Δ| of each cached state, keyed ``"layer{i}.conv"`` / ``"layer{i}.recurrent"``
+            (``"layer{i}.conv.{s}"`` for layers with several states).
+        state_scales: max |reference state| per key; a state passes when its error is
+            ``<= tol * max(1, scale)`` (recurrent states can reach O(100), where fp32 rounding alone is ~1e-5).
+        error: ``"ExceptionType: message"`` when the model raised.
+        tol: tolerance used by :attr:`passed`.
+        mismatched_tokens: ``generate`` only: generated tokens that differ from the per-prompt run.
+        seconds: wall time of the scenario.
+        note: why it is not applicable, or other context.
+    """
+
+    name: str
+    applicable: bool = True
+    max_abs_logits: float | None = None
+    state_errors: dict[str, float] = field(default_factory=dict)
+    state_scales: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    tol: float = 1e-4
+    mismatched_tokens: int | None = None
+    seconds: float = 0.0
+    note: str | None = None
+
+    @property
+    def max_state_error(self) -> float | None:
+        """Largest cached-state error (None when no state was compared)."""
+        return max(self.state_errors.values()) if self.state_errors else None
+
+    def max_state_error_of(self, kind: str) -> float | None:
+        """Largest error among states of ``kind`` (``"conv"`` or ``"recurrent"``)."""
+        vals = [v for k, v in self.state_errors.items() if k.split(".")[1] == kind]
+        return max(vals) if vals else None
+
+    @property
+    def max_error(self) -> float | None:
+        """max(logits error, state errors); None when nothing was measured."""
+        vals = [v for v in (self.max_abs_logits, self.max_state_error) if v is not None]
+        return max(vals) if vals else None
+
+    @property
+    def passed(self) -> bool | None:
+        """None when not applicable; False when raised, any error is above tolerance or NaN, or tokens differ."""
+        if not self.applicable:
+            return None
+        if self.error is not None or self.max_abs_logits is None:
+            return False
+        if not self.max_abs_logits <= self.tol:  # NaN fails
+            return False
+        for key, err in self.state_errors.items():
+            if not err <= self.tol * max(1.0, self.state_scales.get(key, 1.0)):
+                return False
+        return not self.mismatched_tokens
+
+    @property
+    def status(self) -> str:
+        """``"n/a"``, ``"raises"``, ``"ok"`` or ``"FAIL"``."""
+        if not self.applicable:
+            return "n/a"
+        if self.error is not None:
+            return "raises"
+        return "ok" if self.passed else "FAIL"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(passed=self.passed, status=self.status, max_state_error=self.max_state_error)
+        return d
+
+
+@dataclass
+class AuditReport:
+    """Stock vs wrapped results of one model; ``wrapped`` is None for a stock-only audit."""
+
+    model_name: str
+    stock: list[ScenarioResult]
+    wrapped: list[ScenarioResult] | None
+    tol: float
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @property
+    def subject(self) -> list[ScenarioResult]:
+        """The results that decide :attr:`passed`: the wrapped ones, or the stock ones when nothing was wrapped."""
+        return self.wrapped if self.wrapped is not None else self.stock
+
+    @property
+    def passed(self) -> bool:
+        """True iff every applicable scenario of :attr:`subject` passes."""
+        return all(r.passed for r in self.subject if r.applicable)
+
+    def rows(self) -> Iterator[tuple[ScenarioResult, ScenarioResult | None]]:
+        """(stock, wrapped-or-None) per scenario, in run order."""
+        wrapped = self.wrapped or [None] * len(self.stock)
+        yield from zip(self.stock, wrapped)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "dtype": self.dtype,
+            "device": self.device,
+            "tol": self.tol,
+            "passed": self.passed,
+            "stock": [r.to_dict() for r in self.stock],
+            "wrapped": None if self.wrapped is None else [r.to_dict() for r in self.wrapped],
+        }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model I/O: the one place that knows how each family takes the cache, positions and masks.
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _ModelIO:
+    """Uniform forward over every family: ``cache_params=`` vs ``past_key_values=``, optional position ids."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache_params" if "cache_params" in params else "past_key_values"
+        has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.takes_positions = "position_ids" in params or has_var_kw
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab = int(cfg.vocab_size)
+
+    def __call__(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = False,
+        **extra: Any,
+    ) -> tuple[Tensor, Any]:
+        """Run ``[B, L]`` tokens; return (``[B, L, V]`` float32 logits, the cache or None)."""
+        kwargs: dict[str, Any] = {"input_ids": input_ids.to(self.device), "use_cache": use_cache}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
+        if position_ids is not None and self.takes_positions:
+            kwargs["position_ids"] = position_ids.to(self.device)
+        if cache is not None:
+            kwargs[self.cache_kw] = cache
+        kwargs.update({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in extra.items()})
+        out = self.model(**kwargs)
+        new_cache = getattr(out, self.cache_kw, None) if use_cache else None
+        return out.logits.float(), new_cache
+
+    def decode_mask(self, full_mask: Tensor) -> Tensor | None:
+        """Mask for a single-token step: ``generate()`` drops it for the ``cache_params=`` families."""
+        return None if self.cache_kw == "cache_params" else full_mask
+
+
+def cache_states(cache: Any) -> dict[str, Tensor]:
+    """Clone every conv / recurrent state held by a transformers 5.x cache.
+
+    Works for ``DynamicCache`` holding ``LinearAttentionLayer`` (and its hybrid subclasses) of every family:
+    keys are ``"layer{i}.conv"`` and ``"layer{i}.recurrent"`` (``.{s}`` appended for layers with several
+    states); attention-only layers and unset states are skipped. Conv states are ``[B, C, K]``, recurrent
+    states ``[B, ...]``.
+    """
+    out: dict[str, Tensor] = {}
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return out
+    for i, layer in enumerate(layers):
+        for kind, attr in (("conv", "conv_states"), ("recurrent", "recurrent_states")):
+            states = getattr(layer, attr, None)
+            if not isinstance(states, dict):
+                continue
+            for s, tensor in states.items():
+                if tensor is None:
+                    continue
+                key = f"layer{i}.{kind}" if len(states) == 1 else f"layer{i}.{kind}.{s}"
+                out[key] = tensor.detach().clone()
+    return out
+
+
+def _state_errors(
+    batched: dict[str, Tensor],
+    row: int,
+    alone: dict[str, Tensor],
+    into: dict[str, float],
+    scales: dict[str, float] | None = None,
+) -> None:
+    """Max |Δ| of row ``row`` of each batched state vs the alone run's row 0, accumulated (max) into ``into``.
+
+    ``scales`` (if given) accumulates max |reference state| per key.
+    """
+    for key, ref in alone.items():
+        if scales is not None:
+            scales[key] = max(scales.get(key, 0.0), ref.float().abs().max().item())
+        got = batched.get(key)
+        if got is None:
+            err = math.inf
+        else:
+            a, b = got[row].float(), ref[0].float()
+            if key.split(".")[1] == "conv":  # [C, K]: compare the trailing columns both hold
+                k = min(a.shape[-1], b.shape[-1])
+                a, b = a[..., -k:], b[..., -k:]
+            err = (a - b).abs().max().item() if a.shape == b.shape else math.inf
+        into[key] = max(into.get(key, 0.0), err)
+
+
+def _maxdiff(a: Tensor, b: Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _tokens(gen: torch.Generator, vocab: int, length: int) -> Tensor:
+    """``[length]`` random token ids that avoid the pad / bos / eos ids."""
+    return torch.randint(_FIRST_TOKEN, max(vocab, _FIRST_TOKEN + 1), (length,), generator=gen)
+
+
+def _gen(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 7919 + sum(map(ord, name)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reference runs (each sequence alone through the stock model)
+# --------------------------------------------------------------------------------------------------------------
+
+# reference model -> {key: result}. The stock and the wrapped model of an audit (and every wrapped variant a
+# test suite checks) share one reference, so its per-sequence runs are computed once. A fingerprint of the
+# parameters' storage and in-place version counters invalidates the entries when the weights change.
+_MEMO: weakref.WeakKeyDictionary[nn.Module, tuple[int, dict[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module) -> int:
+    return hash(tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters()))
+
+
+def _memo(ref: _ModelIO, key: Any, compute: Callable[[], Any]) -> Any:
+    fp = _fingerprint(ref.model)
+    entry = _MEMO.get(ref.model)
+    if entry is None or entry[0] != fp:
+        entry = (fp, {})
+        _MEMO[ref.model] = entry
+    if key not in entry[1]:
+        entry[1][key] = compute()
+    return entry[1][key]
+
+
+
+def _alone_full(ref: _ModelIO, ids: Tensor) -> Tensor:
+    """``[L]`` ids alone, full forward without cache -> ``[L, V]`` logits."""
+    logits, _ = ref(ids[None], position_ids=torch.arange(ids.numel())[None], use_cache=False)
+    return logits[0]
+
+
+def _alone_decode(ref: _ModelIO, ids: Tensor, steps: int) -> tuple[Tensor, dict[str, Tensor], list[int], list[Tensor]]:
+    """Cached prefill of ``[L]`` ids alone, then ``steps`` greedy decode steps.
+
+    Returns (``[L, V]`` prefill logits, cached states right after the prefill, the greedy tokens fed,
+    the ``[V]`` logits of every decode step).
+    """
+    n = ids.numel()
+    logits, cache = ref(ids[None], position_ids=torch.arange(n)[None], use_cache=True)
+    prefill, states = logits[0], cache_states(cache)
+    tokens: list[int] = []
+    step_logits: list[Tensor] = []
+    last = logits[0, -1]
+    for k in range(steps):
+        tok = int(last.argmax())
+        tokens.append(tok)
+        logits, cache = ref(torch.tensor([[tok]]), position_ids=torch.tensor([[n + k]]), cache=cache, use_cache=True)
+        last = logits[0, -1]
+        step_logits.append(last)
+    return prefill, states, tokens, step_logits
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _packed_inputs(vocab: int, gen: torch.Generator, lengths: Sequence[int]) -> tuple[list[Tensor], Tensor, Tensor]:
+    seqs = [_tokens(gen, vocab, n) for n in lengths]
+    ids = torch.cat(seqs)[None]  # [1, T]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, T], restarting at 0
+    return seqs, ids, pos
+
+
+def _packed_kwargs(name: str, lengths: Sequence[int]) -> dict[str, Any]:
+    if name == "packed_seq_idx":
+        seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
+        return {"seq_idx": seq_idx}  # [1, T] int32
+    if name == "packed_cu_seq_lens":
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)  # [N + 1]
+        m = max(lengths)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": m, "max_length_k": m}
+    return {}
+
+
+def _scn_packed(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
+    seqs, ids, pos = _packed_inputs(ref.vocab, _gen(seed, "packed"), PACKED_LENGTHS)
+    expected = _memo(ref, ("packed", seed), lambda: torch.cat([_alone_full(ref, s) for s in seqs]))  # [T, V]
+    logits, _ = io(ids, position_ids=pos, use_cache=False, **_packed_kwargs(res.name, PACKED_LENGTHS))
+    res.max_abs_logits = _maxdiff(logits[0], expected)
+
+
+def _padded_batch(seqs: Sequence[Tensor], left: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(``[B, L]`` ids, ``[B, L]`` mask, ``[B, L]`` generate-style position ids) of padded rows."""
+    width = max(s.numel() for s in seqs)
+    ids = torch.full((len(seqs), width), _PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(width - s.numel(), width) if left else slice(0, s.numel())
+        ids[b, sl], mask[b, sl] = s, 1
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() builds them
+    return ids, mask, pos
+
+
+def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
+    left = res.name == "left_pad_decode"
+    gen = _gen(seed, "pad_decode")
+    seqs = [_tokens(gen, ref.vocab, n) for n in _PAD_LENGTHS]
+    alone = _memo(ref, ("pad_decode", seed), lambda: [_alone_decode(ref, s, _DECODE_STEPS) for s in seqs])
+    ids, mask, pos = _padded_batch(seqs, left)
+    logits, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    err = 0.0
+    got_states = cache_states(cache)
+    for b, (prefill, states, _, _) in enumerate(alone):
+        real = mask[b].bool()
+        err = max(err, _maxdiff(logits[b, real.to(logits.device)], prefill))
+        _state_errors(got_states, b, states, res.state_errors, res.state_scales)
+    if cache is None:
+        raise RuntimeError("the model returned no cache for use_cache=True")
+    lengths = torch.tensor(_PAD_LENGTHS)
+    for k in range(_DECODE_STEPS):
+        tok = torch.tensor([[a[2][k]] for a in alone])  # [B, 1] each row's own greedy token
+        mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=mask.dtype)], dim=1)  # [B, width + k + 1]
+        step_pos = (lengths + k)[:, None]  # [B, 1]
+        logits, cache = io(tok, attention_mask=io.decode_mask(mask), position_ids=step_pos, cache=cache, use_cache=True)
+        for b, a in enumerate(alone):
+            err = max(err, _maxdiff(logits[b, -1], a[3][k]))
+    res.max_abs_logits = err
+
+
+def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
+    padded = res.name == "chunked_prefill_pad"
+    gen = _gen(seed, "chunked")
+    lengths = (_CHUNK_LEN, _CHUNK_PAD_LEN if padded else _CHUNK_LEN)
+    seqs = [_tokens(gen, ref.vocab, n) for n in lengths]
+    ids, mask, pos = _padded_batch(seqs, left=False)  # [2, 40]
+    expected, alone_states = _memo(
+        ref,
+        (res.name, seed),
+        lambda: ([_alone_full(ref, s) for s in seqs], [_alone_decode(ref, s, 0)[1] for s in seqs]),
+    )
+    bounds = [0, *_CHUNK_SPLITS, ids.shape[1]]
+    cache, outs = None, []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        chunk_mask = mask[:, :b] if padded else None  # generate()-style: past + current
+        if padded and b - a == 1:
+            chunk_mask = io.decode_mask(chunk_mask)
+        logits, cache = io(ids[:, a:b], attention_mask=chunk_mask, position_ids=pos[:, a:b], cache=cache, use_cache=True)
+        outs.append(logits)
+    logits = torch.cat(outs, dim=1)  # [2, 40, V]
+    err = 0.0
+    got_states = cache_states(cache)
+    for b, n in enumerate(lengths):
+        err = max(err, _maxdiff(logits[b, :n], expected[b]))
+        _state_errors(got_states, b, alone_states[b], res.state_errors, res.state_scales)
+    res.max_abs_logits = err
+
+
+def _dt_mixers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "time_step_limit")]
+
+
+@contextmanager
+def _time_step_limit(models: Sequence[nn.Module], limit: tuple[float, float] | None) -> Iterator[None]:
+    """Set ``time_step_limit`` on every mixer module of ``models`` (restored on exit); no-op for None."""
+    saved = [(m, m.time_step_limit) for model in models for m in _dt_mixers(model)] if limit is not None else []
+    try:
+        for m, _ in saved:
+            m.time_step_limit = tuple(limit)
+        yield
+    finally:
+        for m, old in saved:
+            m.time_step_limit = old
+
+
+def _scn_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
+    limit = _DT_LIMITS.get(res.name)
+    if limit is not None and not (_dt_mixers(io.model) and _dt_mixers(ref.model)):
+        res.applicable, res.note = False, "no mixer has a time_step_limit attribute"
+        return
+    gen = _gen(seed, "decode")
+    seqs = [_tokens(gen, ref.vocab, _DT_LEN) for _ in range(2)]
+    ids = torch.stack(seqs)  # [2, _DT_LEN]
+    with _time_step_limit([io.model, ref.model], limit):
+        expected = _memo(ref, (res.name, seed), lambda: torch.stack([_alone_full(ref, s) for s in seqs]))  # [2, L, V]
+        logits, cache = io(ids[:, :_DT_PREFIX], position_ids=torch.arange(_DT_PREFIX)[None].expand(2, -1), use_cache=True)
+        outs = [logits]
+        for t in range(_DT_PREFIX, _DT_LEN):
+            pos = torch.full((2, 1), t)
+            logits, cache = io(ids[:, t : t + 1], position_ids=pos, cache=cache, use_cache=True)
+            outs.append(logits)
+    res.max_abs_logits = _maxdiff(torch.cat(outs, dim=1), expected)
+
+
+def _generate(model: nn.Module, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy generate -> (``[B, new]`` tokens, ``[B, new, V]`` raw logits)."""
+    device = next(model.parameters()).device
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=_GEN_NEW_TOKENS,
+        min_new_tokens=_GEN_NEW_TOKENS,  # no early eos: every row generates the same number of tokens
+        do_sample=False,
+        pad_token_id=_PAD_ID,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    new = out.sequences[:, ids.shape[1] :].cpu()
+    return new, torch.stack(out.logits, dim=1).float().cpu()
+
+
+def _scn_generate(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
+    gen = _gen(seed, "generate")
+    seqs = [_tokens(gen, ref.vocab, n) for n in _GEN_LENGTHS]
+    alone = _memo(
+        ref, ("generate", seed), lambda: [_generate(ref.model, s[None], torch.ones(1, s.numel(), dtype=torch.long)) for s in seqs]
+    )
+    ids, mask, _ = _padded_batch(seqs, left=True)
+    tokens, logits = _generate(io.model, ids, mask)
+    mismatches, err = 0, 0.0
+    for b, (ref_tokens, ref_logits) in enumerate(alone):
+        diff = tokens[b] != ref_tokens[0]
+        mismatches += int(diff.sum())
+        # logits are comparable up to (and including) the first diverging step
+        upto = int(diff.float().argmax()) + 1 if diff.any() else diff.numel()
+        err = max(err, _maxdiff(logits[b, :upto], ref_logits[0, :upto]))
+    res.mismatched_tokens, res.max_abs_logits = mismatches, err
+
+
+_RUNNERS: dict[str, Callable[[_ModelIO, _ModelIO, ScenarioResult, int], None]] = {
+    "packed_position_ids": _scn_packed,
+    "packed_seq_idx": _scn_packed,
+    "packed_cu_seq_lens": _scn_packed,
+    "right_pad_decode": _scn_pad_decode,
+    "left_pad_decode": _scn_pad_decode,
+    "chunked_prefill": _scn_chunked,
+    "chunked_prefill_pad": _scn_chunked,
+    "decode_default": _scn_decode,
+    "decode_dt_min": _scn_decode,
+    "decode_dt_max": _scn_decode,
+    "generate": _scn_generate,
+}
+
+
+def _check_names(names: Sequence[str] | None) -> list[str]:
+    if names is None:
+        return list(SCENARIOS)
+    unknown = [n for n in names if n not in _RUNNERS]
+    if unknown:
+        raise ValueError(f"names: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    return list(names)
+
+
+def _format_error(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg[:300]}"
+
+
+def run_scenario(
+    model: nn.Module, reference_model: nn.Module, name: str, *, tol: float | None = None, seed: int = 0
+) -> ScenarioResult:
+    """Run scenario ``name`` on ``model`` against per-sequence runs of the stock ``reference_model``.
+
+    Args:
+        model: the model under test (stock or wrapped), eval mode.
+        reference_model: the stock model with the same weights (never wrapped).
+        name: one of :data:`SCENARIOS`.
+        tol: max |Δ| for :attr:`ScenarioResult.passed`; default :func:`default_tol` of the model's dtype.
+        seed: seeds the random token ids.
+
+    An exception raised by ``model`` is recorded in ``error``; one raised by the reference is recorded as
+    ``"reference: ..."`` (the cell then tells nothing about ``model``).
+    """
+    (name,) = _check_names([name])
+    if model is reference_model:
+        raise ValueError("reference_model: pass a separate copy (copy.deepcopy(model)) of the stock model")
+    io, ref = _ModelIO(model), _ModelIO(reference_model)
+    res = ScenarioResult(name=name, tol=default_tol(io.dtype) if tol is None else float(tol))
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            _RUNNERS[name](io, ref, res, seed)
+    except Exception as exc:  # a raising model is a finding, not a crash of the audit
+        res.error = _format_error(exc)
+        res.max_abs_logits = None
+        logger.debug("scenario %s raised", name, exc_info=True)
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def run_matrix(
+    model: nn.Module,
+    reference_model: nn.Module,
+    names: Sequence[str] | None = None,
+    progress: Callable[[ScenarioResult], None] | None = None,
+    *,
+    tol: float | None = None,
+    seed: int = 0,
+) -> list[ScenarioResult]:
+    """Run every scenario in ``names`` (default :data:`SCENARIOS`); ``progress(result)`` after each one."""
+    results = []
+    for name in _check_names(names):
+        res = run_scenario(model, reference_model, name, tol=tol, seed=seed)
+        results.append(res)
+        if progress is not None:
+            progress(res)
+    return results
+
+
+@torch.no_grad()
+def _probe(model: nn.Module) -> Tensor:
+    io = _ModelIO(model)
+    ids = _tokens(torch.Generator().manual_seed(1234), io.vocab, 9)[None]
+    return io(ids, use_cache=False)[0]
+
+
+def audit(
+    model_factory_or_model: nn.Module | Callable[[], nn.Module],
+    wrap_fn: Callable[[nn.Module], nn.Module] | None,
+    names: Sequence[str] | None = None,
+    *,
+    tol: float | None = None,
+    progress: Callable[[str, ScenarioResult], None] | None = None,
+    model_name: str | None = None,
+) -> AuditReport:
+    """Run the matrix on the stock model and on a wrapped copy, both against the stock per-sequence reference.
+
+    Args:
+        model_factory_or_model: a model, or a zero-argument callable returning one (not modified).
+        wrap_fn: ``model -> wrapped model`` applied to a deep copy; None for a stock-only audit.
+        names: scenario ids (default :data:`SCENARIOS`).
+        tol: see :func:`run_scenario`.
+        progress: ``progress(which, result)`` after each scenario, ``which`` in ``{"stock", "wrapped"}``.
+        model_name: label for the report (default: the model class name).
+    """
+    names = _check_names(names)
+    if isinstance(model_factory_or_model, nn.Module):
+        model = model_factory_or_model
+    elif callable(model_factory_or_model):
+        model = model_factory_or_model()
+    else:
+        raise ValueError("model_factory_or_model: pass an nn.Module or a zero-argument callable returning one")
+    model.eval()
+    reference = copy.deepcopy(model).eval()
+    stock = copy.deepcopy(model).eval()
+    wrapped = None
+    if wrap_fn is not None:
+        before = _probe(reference)
+        wrapped = wrap_fn(copy.deepcopy(model))
+        if wrapped is None:
+            raise ValueError("wrap_fn: returned None; it must return the wrapped model")
+        wrapped.eval()
+        if not torch.equal(before, _probe(reference)):
+            raise RuntimeError(
+                "wrap_fn changed the outputs of an untouched copy of the model (a class-level patch?): the stock "
+                "reference is no longer stock, so the audit cannot tell anything; wrap instances, not classes"
+            )
+    first = next(model.parameters())
+    tol = default_tol(first.dtype) if tol is None else float(tol)
+
+    def _cb(which: str) -> Callable[[ScenarioResult], None] | None:
+        return None if progress is None else (lambda r: progress(which, r))
+
+    stock_res = run_matrix(stock, reference, names, _cb("stock"), tol=tol)
+    wrapped_res = None if wrapped is None else run_matrix(wrapped, reference, names, _cb("wrapped"), tol=tol)
+    return AuditReport(
+        model_name=model_name or type(model).__name__,
+        stock=stock_res,
+        wrapped=wrapped_res,
+        tol=tol,
+        dtype=str(first.dtype).removeprefix("torch."),
+        device=str(first.device),
+    )
+
+
+@torch.no_grad()
+def pad_sweep(
+    model: nn.Module, reference_model: nn.Module, max_pads: int = 8, length: int = 12, seed: int = 0
+) -> list[float]:
+    """Cached-state error after a right-padded prefill, for 0..``max_pads`` trailing pads.
+
+    One row of ``length`` real tokens followed by n pads (mask 0) is prefilled with the cache; the returned
+    ``[max_pads + 1]`` list holds the max |Δ| over every cached conv / recurrent state vs the row alone
+    (``inf`` when the model raised or returned no cache).
+    """
+    if max_pads < 0 or length < 1:
+        raise ValueError(f"max_pads must be >= 0 and length >= 1, got max_pads={max_pads}, length={length}")
+    io, ref = _ModelIO(model), _ModelIO(reference_model)
+    seq = _tokens(_gen(seed, "pad_sweep"), ref.vocab, length)
+    _, alone_states, _, _ = _alone_decode(ref, seq, 0)
+    errors = []
+    for n in range(max_pads + 1):
+        ids = torch.cat([seq, torch.full((n,), _PAD_ID)])[None]  # [1, length + n]
+        mask = torch.cat([torch.ones(length, dtype=torch.long), torch.zeros(n, dtype=torch.long)])[None]
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        errs: dict[str, float] = {}
+        try:
+            _, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+            _state_errors(cache_states(cache), 0, alone_states, errs)
+        except Exception as exc:
+            logger.debug("pad_sweep: model raised with %d pads: %s", n, _format_error(exc))
+            errs["raised"] = math.inf
+        errors.append(max(errs.values()) if errs else math.inf)
+    return errors
+
+
+def _sum_token_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    """Sum of next-token cross-entropies of one sequence: ``[L, V]`` logits, ``[L]`` ids -> scalar."""
+    if ids.numel() < 2:
+        return logits.sum() * 0.0
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:].to(logits.device), reduction="sum")
+
+
+def packed_loss_grad_errors(
+    model: nn.Module,
+    reference_model: nn.Module,
+    boundaries: str = "position_ids",
+    lengths: Sequence[int] = PACKED_LENGTHS,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Packed-row loss and parameter gradients of ``model`` vs per-sequence runs of ``reference_model``.
+
+    The packed loss is the sum of next-token losses inside each sequence (no loss across a boundary); the
+    reference is the same sum over each sequence run alone. Gradients of both are compared parameter by
+    parameter (by name). ``model`` and ``reference_model`` must hold the same weights.
+
+    Args:
+        boundaries: how the packed row describes its boundaries: ``"position_ids"`` (restarting positions),
+            ``"seq_idx"`` or ``"cu_seq_lens"`` (each also passes the restarting positions, as collators do).
+        lengths: sequence lengths of the packed row.
+
+    Returns:
+        ``{"loss": |Δ loss|, "loss_rel": |Δ loss| / |loss_ref|, "grad": max |Δ grad|,
+        "grad_rel": max |Δ grad| / max |grad_ref|}``. Gradients are left cleared on both models.
+    """
+    names = {"position_ids": "packed_position_ids", "seq_idx": "packed_seq_idx", "cu_seq_lens": "packed_cu_seq_lens"}
+    if boundaries not in names:
+        raise ValueError(f"boundaries: expected one of {', '.join(names)}, got {boundaries!r}")
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"lengths: need at least one sequence, every length >= 1, got {tuple(lengths)}")
+    if model is reference_model:
+        raise ValueError("reference_model: pass a separate copy (copy.deepcopy(model)) of the stock model")
+    io, ref = _ModelIO(model), _ModelIO(reference_model)
+    seqs, ids, pos = _packed_inputs(ref.vocab, _gen(seed, "packed_grad"), lengths)
+    for m in (model, reference_model):
+        m.zero_grad(set_to_none=True)
+    try:
+        with torch.enable_grad():
+            ref_loss = sum(_sum_token_loss(_alone_full(ref, s), s) for s in seqs)
+            ref_loss.backward()
+            logits, _ = io(ids, position_ids=pos, use_cache=False, **_packed_kwargs(names[boundaries], lengths))
+            starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            loss = sum(_sum_token_loss(logits[0, a:b], ids[0, a:b]) for a, b in zip(starts[:-1], starts[1:]))
+            loss.backward()
+        ref_grads = {n: p.grad for n, p in reference_model.named_parameters() if p.grad is not None}
+        grad_err, grad_scale = 0.0, 0.0
+        for n, p in model.named_parameters():
+            g_ref = ref_grads.get(n)
+            if g_ref is None:
+                continue
+            g = torch.zeros_like(g_ref) if p.grad is None else p.grad
+            grad_err = max(grad_err, _maxdiff(g, g_ref))
+            grad_scale = max(grad_scale, g_ref.abs().max().item())
+        loss_err = abs(loss.item() - ref_loss.item())
+        return {
+            "loss": loss_err,
+            "loss_rel": loss_err / max(abs(ref_loss.item()), 1e-30),
+            "grad": grad_err,
+            "grad_rel": grad_err / max(grad_scale, 1e-30),
+        }
+    finally:
+        for m in (model, reference_model):
+            m.zero_grad(set_to_none=True)

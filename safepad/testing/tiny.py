@@ -1,0 +1,293 @@
+"""Tiny, in-memory models of every supported family (no download), with visible SSM contributions.
+
+A randomly initialised tiny model hides padding and packing bugs: the mixer output is small next to the
+residual stream, so a corrupted state moves the logits by less than 1e-4. :func:`strengthen_mixers`
+re-initialises every sequence mixer's projections (std ≈ 0.3) and short convolution (std ≈ 0.5) so that the
+mixers dominate the logits, which stay finite and O(1–10).
+
+Every tiny config uses hidden size 64, vocab 256, 2–4 layers, at least one SSM / linear-attention layer and,
+for hybrids, at least one attention layer. Mamba2-family configs use 8 heads of dim 16, ``n_groups = 2`` and
+``chunk_size = 16`` so that chunk boundaries fall inside the test sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FAMILIES",
+    "MAMBA2_FAMILIES",
+    "MAMBA1_FAMILIES",
+    "GDN_FAMILIES",
+    "CACHE_PARAMS_FAMILIES",
+    "tiny_config",
+    "tiny_model",
+    "strengthen_mixers",
+    "find_mixers",
+]
+
+#: Mamba2 / SSD mixers (multi-head scan with ``time_step_limit``).
+MAMBA2_FAMILIES: tuple[str, ...] = ("nemotron_h", "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "zamba2")
+#: Mamba1 selective-scan mixers.
+MAMBA1_FAMILIES: tuple[str, ...] = ("jamba", "mamba", "falcon_mamba")
+#: Gated-DeltaNet-style linear attention (plus lfm2's short convolution).
+GDN_FAMILIES: tuple[str, ...] = ("qwen3_next", "lfm2", "olmo_hybrid", "kimi_linear")
+#: Families whose top-level forward takes the cache as ``cache_params=`` instead of ``past_key_values=``.
+CACHE_PARAMS_FAMILIES: tuple[str, ...] = ("mamba", "mamba2", "falcon_mamba")
+
+FAMILIES: tuple[str, ...] = MAMBA2_FAMILIES + MAMBA1_FAMILIES + GDN_FAMILIES
+
+_COMMON: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_ATTN: dict[str, Any] = {"num_attention_heads": 4, "num_key_value_heads": 2}
+# Mamba2 mixer sizes: expand 2 -> intermediate 128 = 8 heads x 16; 2 groups of state 16; chunk 16; conv 4.
+_MAMBA2_HF = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_n_groups": 2,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 16,
+}
+
+_TINY: dict[str, dict[str, Any]] = {
+    "nemotron_h": {
+        **_ATTN,
+        "layers_block_type": ["mamba", "attention", "mamba", "mlp"],
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "ssm_state_size": 16,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 2,
+        "chunk_size": 16,
+        "conv_kernel": 4,
+        "expand": 2,
+    },
+    "mamba2": {
+        "num_hidden_layers": 2,
+        "num_heads": 8,
+        "head_dim": 16,
+        "state_size": 16,
+        "n_groups": 2,
+        "chunk_size": 16,
+        "conv_kernel": 4,
+        "expand": 2,
+    },
+    "bamba": {**_ATTN, **_MAMBA2_HF, "intermediate_size": 128, "num_hidden_layers": 3, "attn_layer_indices": [1]},
+    "falcon_h1": {
+        **_ATTN,
+        **_MAMBA2_HF,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "mamba_d_ssm": 128,
+    },
+    "granitemoehybrid": {
+        **_ATTN,
+        **_MAMBA2_HF,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "layer_types": ["mamba", "attention", "mamba"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 64,
+    },
+    "zamba2": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["mamba", "hybrid", "mamba"],
+        "hybrid_layer_ids": [1],
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_ngroups": 2,
+        "n_mamba_heads": 8,
+        "chunk_size": 16,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "adapter_rank": 8,
+    },
+    "jamba": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_experts": 1,
+        "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+    },
+    "mamba": {
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "expand": 2,
+        "conv_kernel": 4,
+        "time_step_rank": 8,
+        "intermediate_size": 128,
+    },
+    "falcon_mamba": {
+        "num_hidden_layers": 2,
+        "state_size": 16,
+        "expand": 2,
+        "conv_kernel": 4,
+        "time_step_rank": 8,
+        "intermediate_size": 128,
+    },
+    "qwen3_next": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "lfm2": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["conv", "full_attention"],
+        "block_auto_adjust_ff_dim": False,
+    },
+    "olmo_hybrid": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+    },
+    "kimi_linear": {
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "sparse"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "qk_head_dim": 24,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "linear_head_dim": 16,
+        "linear_num_heads": 4,
+        "linear_conv_kernel_dim": 4,
+    },
+}
+
+
+def _check_family(family: str) -> None:
+    if family not in _TINY:
+        raise ValueError(f"family: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def tiny_config(family: str, **overrides: Any):
+    """Return the transformers config of the tiny ``family`` model; ``overrides`` replace any field.
+
+    Args:
+        family: one of :data:`FAMILIES` (the transformers ``model_type``).
+        **overrides: config fields to set, e.g. ``chunk_size=8`` or ``use_cache=False``.
+    """
+    from transformers import AutoConfig
+
+    _check_family(family)
+    kwargs = {**_COMMON, **copy.deepcopy(_TINY[family]), **overrides}
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def find_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Return ``(name, module)`` of every sequence mixer (SSM / linear attention / short conv) in ``model``.
+
+    A sequence mixer is recognised structurally, so this works on real checkpoints too: it is the module that
+    directly owns a depthwise ``nn.Conv1d`` (``conv1d`` in Mamba/Mamba2/GDN mixers, ``conv`` in lfm2).
+    """
+    out = []
+    for name, module in model.named_modules():
+        if any(isinstance(child, nn.Conv1d) and child.groups > 1 for child in module.children()):
+            out.append((name, module))
+    return out
+
+
+@torch.no_grad()
+def strengthen_mixers(model: nn.Module, proj_std: float = 0.3, conv_std: float = 0.5, seed: int = 0) -> nn.Module:
+    """Re-initialise every sequence mixer's projections and convolution so its output dominates the residual.
+
+    Every ``nn.Linear`` weight inside a mixer (``in_proj``/``out_proj``, ``x_proj``, ``q/k/v/o_proj``, the
+    gate projections, ...) is drawn from N(0, proj_std²), except ``dt_proj`` whose special init keeps dt in
+    range; every depthwise ``nn.Conv1d`` weight from N(0, conv_std²). Biases and norms are left alone.
+    Deterministic for a given ``seed``; returns ``model`` (modified in place).
+    """
+    if proj_std <= 0 or conv_std <= 0:
+        raise ValueError(f"proj_std and conv_std must be > 0, got proj_std={proj_std}, conv_std={conv_std}")
+    mixers = find_mixers(model)
+    if not mixers:
+        raise ValueError("model: no sequence mixer (module owning a depthwise nn.Conv1d) found to strengthen")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _, mixer in mixers:
+        for sub_name, sub in mixer.named_modules():
+            if isinstance(sub, nn.Linear) and "dt_proj" not in sub_name:
+                w = torch.randn(sub.weight.shape, generator=gen) * proj_std
+                sub.weight.copy_(w.to(sub.weight))
+            elif isinstance(sub, nn.Conv1d):
+                w = torch.randn(sub.weight.shape, generator=gen) * conv_std
+                sub.weight.copy_(w.to(sub.weight))
+    return model
+
+
+def tiny_model(
+    family: str,
+    seed: int = 0,
+    strengthen: bool = True,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+):
+    """Build the tiny ``family`` model in memory: ``AutoModelForCausalLM.from_config`` in eval mode.
+
+    Args:
+        family: one of :data:`FAMILIES`.
+        seed: seeds both the random init and :func:`strengthen_mixers`.
+        strengthen: re-initialise the mixers so padding/packing errors are visible (see module docstring).
+        dtype: parameter dtype.
+        **config_overrides: forwarded to :func:`tiny_config`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **config_overrides)
+    devnull = logging.getLogger("transformers")
+    level = devnull.level
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        devnull.setLevel(logging.ERROR)  # "use_mamba_kernels is deprecated" etc. on every tiny build
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        finally:
+            devnull.setLevel(level)
+    if strengthen:
+        strengthen_mixers(model, seed=seed)
+    return model.to(dtype).eval()
