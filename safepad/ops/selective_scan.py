@@ -1,0 +1,448 @@
+"""Varlen Mamba1 selective scan: a parallel torch core plus exact CUDA-kernel dispatch.
+
+The recurrence (mamba-ssm ``selective_scan_fn`` semantics, as HF ``MambaMixer`` uses it), per
+channel ``d`` and state ``n``::
+
+    dt_t  = softplus(delta_t + delta_bias)                      # the dt pipeline (process_dt)
+    h_t   = exp(dt_t[d] * A[d, n]) * h_{t-1} + dt_t[d] * u_t[d] * B_t[n]
+    y_t   = sum_n h_t[d, n] * C_t[n] + D[d] * u_t[d]
+    y_t  *= silu(z_t[d])                                        # when z is given
+
+Varlen layouts on top of it:
+
+* ``seq_idx`` ``[B, T]``: the state is reset to zero at every boundary (the decay of a sequence's first
+  token is 0), so packed sequences never see each other.
+* ``initial_state`` ``[B, Dm, N]`` reaches only each row's first sequence.
+* ``token_mask`` ``[B, T]`` (True = real token): ``dt := 0`` after the pipeline and ``u := 0``, so a
+  masked token is the identity on the state (``exp(0 * A) = 1``, no input) wherever the pads sit.
+
+The torch core (:class:`_SelectiveScanFn`) is a first-order linear recurrence ``h_t = a_t h_{t-1} + b_t``
+solved by an in-place odd/even (Blelloch-style) parallel scan: ``log2(T)`` levels, ``O(T)`` work, and
+only products of decays in ``[0, 1]`` -- never ``exp`` of a positive number, so it stays stable when
+``sum(dt * A)`` reaches -1e3. Forward and backward are written by hand: the backward is the reverse
+scan of the same form, so nothing of size ``[B, T, Dm, N]`` is kept beyond the states ``h``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from safepad.layout.boundaries import validate_seq_idx
+from safepad.ops import kernels
+from safepad.ops.dt import process_dt
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["selective_scan", "selective_state_step"]
+
+_NO_LIMIT = (-math.inf, math.inf)  # mamba-ssm applies no clamp, with or without softplus
+
+
+# ----------------------------------------------------------------------------------------------
+# Parallel first-order linear scan (in place on ``b``, ``a`` read-only), along dim 1.
+# ----------------------------------------------------------------------------------------------
+
+
+def _scan_(a: Tensor, b: Tensor) -> Tensor:
+    """In place: ``b[:, t] <- a[:, t] * b[:, t-1] + b[:, t]`` for ``t = 1 .. T-1`` (inclusive scan).
+
+    ``a``, ``b``: ``[B, T, ...]`` (strided views allowed); ``a`` is not modified. Odd/even recursion:
+    pair ``(2k, 2k+1)`` into one element, scan the ``T // 2`` pairs (which yields the odd positions),
+    then finish the even positions with one fused multiply-add. ``log2(T)`` levels, ``O(T)`` work.
+    """
+    T = b.shape[1]
+    if T < 2:
+        return b
+    m = T // 2
+    a_even, a_odd = a[:, 0 : 2 * m : 2], a[:, 1 : 2 * m : 2]  # [B, m, ...] each
+    b_even, b_odd = b[:, 0 : 2 * m : 2], b[:, 1 : 2 * m : 2]  # [B, m, ...] each
+    b_odd.addcmul_(a_odd, b_even)  # pair (2k, 2k+1) -> b = a_{2k+1} b_{2k} + b_{2k+1}
+    _scan_(a_odd * a_even, b_odd)  # pair decays [B, m, ...]; b_odd now holds h at odd positions
+    if T > 2:
+        # h_{2k} = a_{2k} h_{2k-1} + b_{2k} for k >= 1 (includes the unpaired last one when T is odd)
+        b[:, 2::2].addcmul_(a[:, 2::2], b[:, 1 : T - 1 : 2])
+    return b
+
+
+def _rscan_(a: Tensor, g: Tensor) -> Tensor:
+    """In place, right to left: ``g[:, t] <- g[:, t] + a[:, t] * g[:, t+1]`` for ``t = T-2 .. 0``.
+
+    ``a``: ``[B, T, ...]`` where ``a[:, t]`` carries ``t+1 -> t`` (``a[:, T-1]`` is unused); not
+    modified. The mirror image of :func:`_scan_`.
+    """
+    T = g.shape[1]
+    if T < 2:
+        return g
+    if T % 2:  # fold the unpaired last element into its left neighbour: it is final already
+        g[:, T - 2].addcmul_(a[:, T - 2], g[:, T - 1])
+    m = T // 2
+    a_even, a_odd = a[:, 0 : 2 * m : 2], a[:, 1 : 2 * m : 2]  # [B, m, ...] each
+    g_even, g_odd = g[:, 0 : 2 * m : 2], g[:, 1 : 2 * m : 2]  # [B, m, ...] each
+    g_even.addcmul_(a_even, g_odd)  # pair (2k, 2k+1) -> g = g_{2k} + a_{2k} g_{2k+1}
+    _rscan_(a_even * a_odd, g_even)  # g_even now holds the result at even positions
+    if m > 1:
+        # G_{2k+1} = g_{2k+1} + a_{2k+1} G_{2k+2} for 2k+2 <= 2m-2 (the last pair's odd one is final)
+        g[:, 1 : 2 * m - 2 : 2].addcmul_(a[:, 1 : 2 * m - 2 : 2], g[:, 2 : 2 * m - 1 : 2])
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch core with a hand-written backward.
+# ----------------------------------------------------------------------------------------------
+
+
+class _SelectiveScanFn(torch.autograd.Function):
+    """``y = C . h`` with ``h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t``, resets and states at given tokens.
+
+    Inputs (all in the compute dtype): ``u``, ``dt`` ``[B, T, Dm]`` (dt already processed and masked);
+    ``A`` ``[Dm, N]``; ``Bm``, ``Cm`` ``[B, T, N]``; ``h0`` ``[B, Dm, N]`` or None; ``resets``: a pair
+    ``(rows, cols)`` of token indices whose decay is 0 (first tokens of sequences), or None; ``taps``:
+    ``(rows, cols)`` of tokens whose state is returned, or None.
+
+    Returns ``y`` ``[B, T, Dm]`` and the tapped states ``[S, Dm, N]`` (empty when ``taps`` is None).
+    """
+
+    @staticmethod
+    def forward(ctx, u, dt, A, Bm, Cm, h0, resets, taps):  # type: ignore[override]
+        dA = torch.exp(dt.unsqueeze(-1) * A)  # [B, T, Dm, N], in (0, 1]
+        if resets is not None:
+            dA[resets] = 0.0
+        du = dt * u  # [B, T, Dm]
+        h = du.unsqueeze(-1) * Bm.unsqueeze(2)  # [B, T, Dm, 1] * [B, T, 1, N] -> [B, T, Dm, N]
+        if h0 is not None:
+            h[:, 0].addcmul_(dA[:, 0], h0)
+        _scan_(dA, h)  # h: [B, T, Dm, N], the state after every token
+        del dA
+        y = torch.matmul(h, Cm.unsqueeze(-1)).squeeze(-1)  # [B, T, Dm, N] @ [B, T, N, 1] -> [B, T, Dm]
+        states = h[taps] if taps is not None else h.new_zeros(0, *h.shape[2:])  # [S, Dm, N]
+        ctx.save_for_backward(u, dt, A, Bm, Cm, h0, h)
+        ctx.resets, ctx.taps = resets, taps
+        ctx.set_materialize_grads(False)
+        return y, states
+
+    @staticmethod
+    def backward(ctx, gy, gstates):  # type: ignore[override]
+        u, dt, A, Bm, Cm, h0, h = ctx.saved_tensors
+        resets, taps = ctx.resets, ctx.taps
+        T = u.shape[1]
+        if gy is None:
+            gy = torch.zeros_like(u)
+        # dL/dh_t from the output at t (and from the tapped states): [B, T, Dm, 1] * [B, T, 1, N]
+        G = gy.unsqueeze(-1) * Cm.unsqueeze(2)  # [B, T, Dm, N]
+        if taps is not None and gstates is not None:
+            G.index_put_(taps, gstates, accumulate=True)
+        # a_next[:, t] = decay of token t+1 (carries t+1 -> t); the last one is unused.
+        a_next = torch.empty_like(G)  # [B, T, Dm, N]
+        a_next[:, : T - 1] = torch.exp(dt[:, 1:].unsqueeze(-1) * A)
+        a_next[:, T - 1] = 0.0
+        if resets is not None:
+            a_next[resets[0], resets[1] - 1] = 0.0
+        _rscan_(a_next, G)  # G_t = total dL/dh_t = g_t + a_{t+1} G_{t+1}
+
+        du = dt * u  # [B, T, Dm]
+        g_C = torch.matmul(h.transpose(-1, -2), gy.unsqueeze(-1)).squeeze(-1)  # [B,T,N,Dm] @ [B,T,Dm,1] -> [B,T,N]
+        g_B = torch.matmul(G.transpose(-1, -2), du.unsqueeze(-1)).squeeze(-1)  # [B,T,N,Dm] @ [B,T,Dm,1] -> [B,T,N]
+        g_du = torch.matmul(G, Bm.unsqueeze(-1)).squeeze(-1)  # [B,T,Dm,N] @ [B,T,N,1] -> [B,T,Dm]
+        g_u = g_du * dt
+        g_dt = g_du * u
+
+        g_h0 = None
+        a0 = None
+        if h0 is not None:
+            a0 = torch.exp(dt[:, 0].unsqueeze(-1) * A)  # [B, Dm, N]; token 0 is never a reset
+            g_h0 = G[:, 0] * a0
+        # q_t = dL/d(dt_t A) = G_t * a_t * h_{t-1}  (in place in G; a_t = a_next[t-1], h_{-1} = h0)
+        q = G
+        q[:, 1:].mul_(a_next[:, : T - 1]).mul_(h[:, : T - 1])
+        if h0 is not None:
+            q[:, 0].mul_(a0).mul_(h0)
+        else:
+            q[:, 0].zero_()
+        del a_next
+        g_dt = g_dt + torch.einsum("btdn,dn->btd", q, A)  # [B, T, Dm]
+        g_A = torch.einsum("btdn,btd->dn", q, dt)  # [Dm, N]
+        return g_u, g_dt, g_A, g_B, g_C, g_h0, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tensor(x: object, name: str, shape: tuple[int, ...], what: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {what}, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {what} = {list(shape)}, got {list(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    return x
+
+
+def _check_A(A: object, Dm: int) -> Tensor:
+    if not isinstance(A, Tensor) or A.dim() != 2 or A.shape[0] != Dm:
+        shape = list(A.shape) if isinstance(A, Tensor) else type(A).__name__
+        raise ValueError(f"A must have shape [Dm, N] = [{Dm}, N], got {shape}")
+    if not A.is_floating_point():
+        raise ValueError(f"A must be a floating-point tensor, got {A.dtype}")
+    if A.numel() and bool((A > 0).any()):
+        raise ValueError("A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up")
+    return A
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gate(y: Tensor, u: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
+    """``(y + D u) * silu(z)`` in the compute dtype of ``y``; ``[..., Dm]``."""
+    if D is not None:
+        y = y + u.to(y.dtype) * D.to(y.dtype)
+    if z is not None:
+        y = y * F.silu(z.to(y.dtype))
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = True,
+    seq_idx: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    token_mask: Tensor | None = None,
+    return_final_state: bool = False,
+    return_varlen_states: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, ...]:
+    """Mamba1 selective scan over packed / padded rows.
+
+    Args:
+        u: inputs ``[B, T, Dm]`` (``Dm`` = intermediate channels).
+        delta: raw step sizes ``[B, T, Dm]``; the pipeline ``+ delta_bias -> softplus`` runs in fp32
+            (:func:`safepad.ops.dt.process_dt`, no clamp, as in mamba-ssm).
+        A: ``[Dm, N]``, non-positive.
+        B, C: ``[B, T, N]``.
+        D: ``[Dm]`` skip connection, or None.
+        z: ``[B, T, Dm]`` gate, or None: ``y * silu(z)``.
+        delta_bias: ``[Dm]`` or None.
+        delta_softplus: apply softplus to ``delta + delta_bias``.
+        seq_idx: ``[B, T]`` int, non-decreasing per row; the state resets wherever it changes.
+        initial_state: ``[B, Dm, N]``; reaches only each row's first sequence.
+        token_mask: ``[B, T]`` bool (True = real token). Masked tokens leave the state unchanged;
+            the outputs there are unspecified.
+        return_final_state: also return the state after each row's last token ``[B, Dm, N]``.
+        return_varlen_states: also return the state at the end of every sequence ``[S, Dm, N]``,
+            row-major in order of appearance (the order of ``cu_seqlens_from_seq_idx``).
+        backend: ``"auto"``, ``"torch"`` or ``"kernels"`` (see :func:`safepad.ops.kernels.use_kernels`).
+
+    Returns:
+        ``y`` ``[B, T, Dm]`` in ``u.dtype``, or a tuple ``(y, final_state?, varlen_states?)`` when
+        states are requested. States are fp32 (fp64 when ``u`` is fp64).
+    """
+    if not isinstance(u, Tensor) or u.dim() != 3:
+        raise ValueError(f"u must be a tensor of shape [B, T, Dm], got {getattr(u, 'shape', type(u).__name__)}")
+    if not u.is_floating_point():
+        raise ValueError(f"u must be a floating-point tensor, got {u.dtype}")
+    Bsz, T, Dm = u.shape
+    if T < 1 or Bsz < 1:
+        raise ValueError(f"u must have at least one row and one token, got shape {list(u.shape)}")
+    _check_tensor(delta, "delta", (Bsz, T, Dm), "[B, T, Dm]")
+    A = _check_A(A, Dm)
+    N = A.shape[1]
+    _check_tensor(B, "B", (Bsz, T, N), "[B, T, N]")
+    _check_tensor(C, "C", (Bsz, T, N), "[B, T, N]")
+    if D is not None:
+        _check_tensor(D, "D", (Dm,), "[Dm]")
+    if z is not None:
+        _check_tensor(z, "z", (Bsz, T, Dm), "[B, T, Dm]")
+    if delta_bias is not None:
+        _check_tensor(delta_bias, "delta_bias", (Dm,), "[Dm]")
+    if initial_state is not None:
+        _check_tensor(initial_state, "initial_state", (Bsz, Dm, N), "[B, Dm, N]")
+    if seq_idx is not None:
+        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
+    if token_mask is not None:
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz, T):
+            shape = list(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+            raise ValueError(f"token_mask must be a bool tensor of shape [B, T] = [{Bsz}, {T}], got {shape}")
+        if token_mask.dtype != torch.bool:
+            if token_mask.is_floating_point() or bool(((token_mask != 0) & (token_mask != 1)).any()):
+                raise ValueError("token_mask must be boolean (or 0/1 integers): True marks a real token")
+            token_mask = token_mask.bool()
+
+    multi_seq = seq_idx is not None and T > 1 and bool((seq_idx[:, 1:] != seq_idx[:, :-1]).any())
+    grads_to_state = return_final_state and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (u, delta, A, B, C, D, z, delta_bias)
+    )
+    kernel_ok = (
+        not multi_seq
+        and token_mask is None
+        and initial_state is None
+        and not grads_to_state
+        and u.dtype != torch.float64
+    )
+    if kernel_ok and kernels.use_kernels(u, delta, A, B, C, need=("selective_scan_fn",), backend=backend):
+        return _selective_scan_kernel(
+            u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_final_state, return_varlen_states
+        )
+    if backend == "kernels":
+        raise ValueError(
+            "backend='kernels' cannot express this call: mamba-ssm's selective_scan_fn has no seq_idx, token mask "
+            "or initial state, and gives no gradient through the final state; use backend='auto'"
+        )
+
+    cdt = _compute_dtype(u)
+    dt = process_dt(delta, delta_bias, _NO_LIMIT, delta_softplus).to(cdt)  # [B, T, Dm]
+    uc = u.to(cdt)  # [B, T, Dm]
+    if token_mask is not None:
+        keep = token_mask.unsqueeze(-1)  # [B, T, 1]
+        dt = torch.where(keep, dt, 0.0)
+        uc = torch.where(keep, uc, 0.0)
+    resets = None
+    if multi_seq:
+        starts = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: first token of a sequence
+        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        resets = starts.nonzero(as_tuple=True)  # (rows, cols), t >= 1
+    taps = None
+    if return_final_state or return_varlen_states:
+        ends = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: last token of a sequence
+        ends[:, T - 1] = True
+        if return_varlen_states and seq_idx is not None and T > 1:
+            ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        taps = ends.nonzero(as_tuple=True)  # row-major order of appearance
+    h0 = initial_state.to(cdt) if initial_state is not None else None
+
+    y, states = _SelectiveScanFn.apply(uc, dt, A.to(cdt), B.to(cdt), C.to(cdt), h0, resets, taps)
+    y = _gate(y, uc, D, z).to(u.dtype)
+    if not (return_final_state or return_varlen_states):
+        return y
+    out = [y]
+    if return_final_state:
+        row_last = torch.cumsum(ends.sum(dim=1), 0) - 1  # [B]: each row's tap at t = T-1 comes last in its row
+        out.append(states[row_last])  # [B, Dm, N]
+    if return_varlen_states:
+        out.append(states)  # [S, Dm, N]
+    return tuple(out)
+
+
+def _selective_scan_kernel(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    delta_softplus: bool,
+    return_final_state: bool,
+    return_varlen_states: bool,
+) -> Tensor | tuple[Tensor, ...]:
+    """mamba-ssm ``selective_scan_fn`` on a call it expresses exactly: one sequence per row, no mask or initial state."""
+    want_state = return_final_state or return_varlen_states
+    res = kernels.selective_scan_fn(
+        u.transpose(1, 2).contiguous(),  # [B, Dm, T]
+        delta.transpose(1, 2).contiguous(),  # [B, Dm, T]
+        A.float().contiguous(),  # [Dm, N]
+        B.transpose(1, 2).contiguous(),  # [B, N, T]
+        C.transpose(1, 2).contiguous(),  # [B, N, T]
+        D=D.float() if D is not None else None,
+        z=z.transpose(1, 2).contiguous() if z is not None else None,  # [B, Dm, T]
+        delta_bias=delta_bias.float() if delta_bias is not None else None,
+        delta_softplus=delta_softplus,
+        return_last_state=want_state,
+    )
+    y, last = res if want_state else (res, None)
+    y = y.transpose(1, 2).to(u.dtype)  # [B, T, Dm]
+    if not want_state:
+        return y
+    last = last.float()  # [B, Dm, N]
+    out = [y]
+    if return_final_state:
+        out.append(last)
+    if return_varlen_states:
+        out.append(last)  # one sequence per row: its final state
+    return tuple(out)
+
+
+def selective_state_step(
+    state: Tensor,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = True,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Decode one token, out of place.
+
+    Args:
+        state: ``[B, Dm, N]``.
+        u, delta, z: ``[B, Dm]`` (``delta`` raw; same pipeline as :func:`selective_scan`).
+        A: ``[Dm, N]``; B, C: ``[B, N]``; D, delta_bias: ``[Dm]`` or None.
+
+    Returns:
+        ``(y [B, Dm] in u.dtype, new_state [B, Dm, N] fp32)`` (fp64 when ``u`` is fp64); ``state`` is
+        not modified.
+    """
+    if not isinstance(state, Tensor) or state.dim() != 3:
+        raise ValueError(f"state must be a tensor of shape [B, Dm, N], got {getattr(state, 'shape', type(state).__name__)}")
+    Bsz, Dm, N = state.shape
+    if not state.is_floating_point():
+        raise ValueError(f"state must be a floating-point tensor, got {state.dtype}")
+    _check_tensor(u, "u", (Bsz, Dm), "[B, Dm]")
+    _check_tensor(delta, "delta", (Bsz, Dm), "[B, Dm]")
+    A = _check_A(A, Dm)
+    if A.shape[1] != N:
+        raise ValueError(f"A must have shape [Dm, N] = [{Dm}, {N}] to match state, got {list(A.shape)}")
+    _check_tensor(B, "B", (Bsz, N), "[B, N]")
+    _check_tensor(C, "C", (Bsz, N), "[B, N]")
+    if D is not None:
+        _check_tensor(D, "D", (Dm,), "[Dm]")
+    if z is not None:
+        _check_tensor(z, "z", (Bsz, Dm), "[B, Dm]")
+    if delta_bias is not None:
+        _check_tensor(delta_bias, "delta_bias", (Dm,), "[Dm]")
+
+    cdt = _compute_dtype(u)
+    dt = process_dt(delta, delta_bias, _NO_LIMIT, delta_softplus).to(cdt)  # [B, Dm]
+    if cdt == torch.float32 and kernels.use_kernels(
+        state, u, dt, A, B, C, need=("selective_state_update",), backend=backend
+    ):
+        new_state = state.float().clone(memory_format=torch.contiguous_format)  # the kernel updates in place
+        y = kernels.selective_state_update(
+            new_state, u, dt, A.float(), B, C, D=D.float() if D is not None else None, z=z,
+            dt_bias=None, dt_softplus=False,
+        )  # [B, Dm]
+        return y.to(u.dtype), new_state
+    if backend == "kernels":
+        raise ValueError("backend='kernels' cannot run a float64 decode step; use backend='auto'")
+    uc = u.to(cdt)
+    dA = torch.exp(dt.unsqueeze(-1) * A.to(cdt))  # [B, Dm, N]
+    dBu = (dt * uc).unsqueeze(-1) * B.to(cdt).unsqueeze(1)  # [B, Dm, 1] * [B, 1, N] -> [B, Dm, N]
+    new_state = state.to(cdt) * dA + dBu  # [B, Dm, N]
+    y = torch.matmul(new_state, C.to(cdt).unsqueeze(-1)).squeeze(-1)  # [B, Dm, N] @ [B, N, 1] -> [B, Dm]
+    y = _gate(y, uc, D, z).to(u.dtype)
+    return y, new_state
