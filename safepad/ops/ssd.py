@@ -49,6 +49,19 @@ def _check_D(D: Tensor | None, H: int, P: int) -> None:
         raise ValueError(f"D must have shape [H] = [{H}] or [H, P] = [{H}, {P}], got {_shape(D)}")
 
 
+# exp(-60) ~ 1e-26: in float32, decay weights below it are far under rounding (eps ~ 6e-8) next to the
+# weight-1 diagonal terms, but they are subnormal or close to it, and subnormal arithmetic is ~100x slower
+# on CPUs. Float32 flushes them to exact zeros; float64 keeps everything.
+_FLUSH_BELOW = -60.0
+
+
+def _exp(t: Tensor) -> Tensor:
+    """``exp(t)`` for log-decays ``t <= 0`` (``-inf`` allowed), flushing float32 weights below ``exp(-60)``."""
+    if t.dtype == torch.float32:
+        t = t.masked_fill(t < _FLUSH_BELOW, float("-inf"))
+    return torch.exp(t)
+
+
 def _d_term(D: Tensor, x: Tensor) -> Tensor:
     """``D [H] | [H, P]`` times ``x [..., H, P]``."""
     Dd = D.to(x.dtype)
@@ -104,14 +117,15 @@ def _ssd_chunked(
     # 1. intra-chunk (diagonal blocks): y_l = sum_{s<=l, same seq} (C_l·B_s) exp(acs_l - acs_s) dt_s x_s
     CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
     seg = acs.unsqueeze(-1) - acs.unsqueeze(-2)  # [b, c, H, Q, Q] (l, s)
-    seg = seg.masked_fill_(~keep, float("-inf"))  # -inf above the diagonal / across boundaries: exp -> 0
+    drop = ~keep if seg.dtype != torch.float32 else (~keep) | (seg < _FLUSH_BELOW)  # see _exp
+    seg = seg.masked_fill_(drop, float("-inf"))  # -inf above the diagonal / across boundaries: exp -> 0
     decay = torch.exp(seg)  # [b, c, H, Q, Q]
     scores = (decay.view(b, c, G, k, Q, Q) * CB.unsqueeze(3)).view(b, c, H, Q, Q)  # [b, c, H, Q, Q]
     y = torch.matmul(scores, xdt_c)  # [b, c, H, Q, P]
 
     # 2. chunk states: contribution of each chunk's tokens (of the chunk's last sequence) to its end state
     last = acs[..., -1:]  # [b, c, H, 1]
-    w_end = torch.exp(last - acs)  # [b, c, H, Q], <= 1
+    w_end = _exp(last - acs)  # [b, c, H, Q], <= 1
     if seq_idx is not None:
         w_end = w_end * (sq == sq[..., -1:]).unsqueeze(2).to(w_end.dtype)  # [b, c, H, Q]
     xw = (xdt_c * w_end.unsqueeze(-1)).view(b, c, G, k, Q, P)  # [b, c, G, k, Q, P]
@@ -119,15 +133,15 @@ def _ssd_chunked(
     states = torch.matmul(xw, Bg).view(b, c, H, P, N)  # [b, c, H, P, N]
 
     # 3. across chunks: carry the state, dropping it where the sequence changes
-    carry = torch.exp(last.squeeze(-1))  # [b, c, H] total decay of each chunk
+    carry = _exp(last.squeeze(-1))  # [b, c, H] total decay of each chunk
     if seq_idx is not None:
         prev_seq = torch.cat([sq[:, :1, 0], sq[:, :-1, -1]], dim=1)  # [b, c] sequence of the entering state
         carry = carry * (sq[:, :, -1] == prev_seq).unsqueeze(-1).to(carry.dtype)  # [b, c, H]
     s = x.new_zeros(b, H, P, N) if initial_state is None else initial_state
     entering = []
-    for ci in range(c):
+    for carry_c, states_c in zip(carry.unbind(1), states.unbind(1)):  # unbind: one backward stack, not c selects
         entering.append(s)
-        s = carry[:, ci, :, None, None] * s + states[:, ci]  # [b, H, P, N]
+        s = carry_c[:, :, None, None] * s + states_c  # [b, H, P, N]
     final_state = s
     prev = torch.stack(entering, dim=1)  # [b, c, H, P, N] state entering each chunk
 
@@ -135,7 +149,7 @@ def _ssd_chunked(
     prev_g = prev.view(b, c, G, k, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, c, G, N, k * P)  # [b, c, G, N, kP]
     y_off = torch.matmul(Cg, prev_g)  # [b, c, G, Q, kP]
     y_off = y_off.view(b, c, G, Q, k, P).transpose(3, 4).reshape(b, c, H, Q, P)  # [b, c, H, Q, P]
-    w_out = torch.exp(acs)  # [b, c, H, Q]
+    w_out = _exp(acs)  # [b, c, H, Q]
     if seq_idx is not None:
         w_out = w_out * (sq == prev_seq.unsqueeze(-1)).unsqueeze(2).to(w_out.dtype)  # [b, c, H, Q]
     y = y + y_off * w_out.unsqueeze(-1)  # [b, c, H, Q, P]
@@ -171,13 +185,13 @@ def _varlen_states(
     own = (j[None, :] <= li[:, None]) & (sq == sq.gather(1, li[:, None]))  # [S, Q] tokens of this sequence
     a = acs[row, ci]  # [S, H, Q]
     a_end = a.gather(2, li.view(S, 1, 1).expand(S, H, 1))  # [S, H, 1]
-    w = torch.exp((a_end - a).masked_fill(~own.unsqueeze(1), float("-inf")))  # [S, H, Q]
+    w = _exp((a_end - a).masked_fill(~own.unsqueeze(1), float("-inf")))  # [S, H, Q]
     xw = (xdt_c[row, ci] * w.unsqueeze(-1)).view(S, G, k, Q, P)  # [S, G, k, Q, P]
     xw = xw.transpose(-1, -2).reshape(S, G, k * P, Q)  # [S, G, kP, Q]
     st = torch.matmul(xw, Bg[row, ci]).view(S, H, P, N)  # [S, H, P, N]
     prev_seq = torch.where(ci > 0, seq_pad.view(b, c * Q)[row, (ci * Q - 1).clamp(min=0)], seq_pad[row, 0])  # [S]
     enters = (prev_seq == sq.gather(1, li[:, None]).squeeze(1)).to(st.dtype)  # [S]
-    w_prev = torch.exp(a_end.squeeze(-1)) * enters[:, None]  # [S, H]
+    w_prev = _exp(a_end.squeeze(-1)) * enters[:, None]  # [S, H]
     return st + w_prev[:, :, None, None] * prev[row, ci]  # [S, H, P, N]
 
 
