@@ -394,15 +394,15 @@ def _torch_chunk(
         s_decay = s_decay * carry[:, :, :, -1:]  # [N, B, H, 1|Dk, 1]: state survives only if the chunk-end seq is carried
     k_state_t = k_state.transpose(-1, -2)  # [N, B, H, Dk, C]
 
-    # Sequential part: two matmuls per chunk.
+    # Sequential part: two matmuls per chunk. unbind (not u[i]) keeps the backward linear in the chunk count.
     s = s0  # [B, H, Dk, Dv]
     states: list[Tensor] = []
     v_new: list[Tensor] = []
-    for i in range(n):
+    for u_i, w_i, kt_i, dec_i in zip(u.unbind(0), w.unbind(0), k_state_t.unbind(0), s_decay.unbind(0)):
         states.append(s)
-        vn = u[i] - w[i] @ s  # [B, H, C, Dv]
+        vn = u_i - w_i @ s  # [B, H, C, Dv]
         v_new.append(vn)
-        s = s * s_decay[i] + k_state_t[i] @ vn  # [B, H, Dk, Dv]
+        s = s * dec_i + kt_i @ vn  # [B, H, Dk, Dv]
     hs = torch.stack(states, dim=0)  # [N, B, H, Dk, Dv]: state entering each chunk
     vns = torch.stack(v_new, dim=0)  # [N, B, H, C, Dv]
 
