@@ -72,6 +72,7 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
             "forward": forward,
             "extra_repr": extra_repr,
             "_safepad_original_class": orig,
+            "_safepad_spec": spec,
             "__module__": __name__,
             "__qualname__": name,
             "__doc__": f"{orig.__name__} patched by safepad ({spec.kind} generic mixer). Undo with safepad.unwrap.",
@@ -119,10 +120,8 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
         spec = spec_for_module(module)
         if spec is None:
             continue
-        if getattr(module, "_safepad_spec", None) is None:
-            module._safepad_original_class = type(module)
+        if getattr(type(module), "_safepad_spec", None) is None:
             module.__class__ = _patched_class(type(module), spec)
-            module._safepad_spec = spec
             patched.append(name)
         module._safepad_backend = backend
         owners.add(id(module))
@@ -140,10 +139,10 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """Undo :func:`wrap`: restore every mixer's original class and remove the model hooks. Returns ``model``."""
     for module in model.modules():
-        orig = module.__dict__.pop("_safepad_original_class", None)
+        orig = getattr(type(module), "_safepad_original_class", None)
         if orig is not None:
             module.__class__ = orig
-        for attr in ("_safepad_spec", "_safepad_backend", "_safepad_last_seq_idx"):
+        for attr in ("_safepad_backend", "_safepad_last_seq_idx"):
             module.__dict__.pop(attr, None)
         for handle in module.__dict__.pop("_safepad_hook_handles", []):
             handle.remove()
@@ -177,7 +176,7 @@ def _install_model_hooks(model: nn.Module) -> None:
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
         }
         target._safepad_tokens = []
-        pre = target.register_forward_pre_hook(_make_pre_hook(info), with_kwargs=True)
+        pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
         post = target.register_forward_hook(_post_hook, always_call=True)
         target._safepad_hook_handles = [pre, post]
 
@@ -193,13 +192,30 @@ def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...])
     return None
 
 
-def _make_pre_hook(info: dict):
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-        if current_context() is not None:  # nested model call (VLM -> language model): the outer call decided
-            module._safepad_tokens.append(None)
-            return None
+class _ModelPreHook:
+    """Forward pre-hook of a wrapped model: boundaries -> context, cache policy, attention boundaries.
+
+    A class (not a closure) so that a wrapped model can be pickled.
+    """
+
+    def __init__(self, info: dict):
+        self.info = info
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        info = self.info
         params = info["params"]
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
+        outer = current_context()
+        if outer is not None:
+            # nested model call (PEFT -> model, VLM -> language model): the outer call decided the boundaries;
+            # this level only applies the packed-call policy to its own kwargs
+            if outer.seq_idx is not None and ids is not None and tuple(ids.shape[:2]) == outer.shape:
+                kwargs.pop("seq_idx", None)
+                self._packed_policy(module, kwargs, outer.seq_idx, ids, outer.source, nested=True)
+                module._safepad_tokens.append(None)
+                return args, kwargs
+            module._safepad_tokens.append(None)
+            return None
         if ids is None or ids.dim() < 2:
             module._safepad_tokens.append(None)
             return None
@@ -226,26 +242,32 @@ def _make_pre_hook(info: dict):
                     f"packed boundaries ({source}) came together with an attention_mask that has zeros: describe "
                     "padding as its own segment of the packed row (the safepad collator does) or pad without packing"
                 )
-            explicit = kwargs.get("use_cache") is True or any(
-                kwargs.get(k) is not None for k in ("past_key_values", "cache_params")
-            )
-            if explicit:
-                raise ValueError(
-                    f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
-                    "keeps one recurrent state per row, so there is no right state to store. Call with "
-                    "use_cache=False, or pad the sequences (left or right) instead of packing them."
-                )
-            if "use_cache" in params or info["var_kwargs"]:
-                kwargs["use_cache"] = False  # the config default would build a cache nobody can use
-            if info["hybrid"] and position_ids is None and info["accepts_position_ids"]:
-                kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)
-            if info["packed_attention_mask"]:
-                kwargs["attention_mask"] = _packed_mask_mapping(module, ids, seq_idx, info["packed_attention_mask"])
+            self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
         token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source))
         module._safepad_tokens.append(token)
         return args, kwargs
 
-    return pre_hook
+    def _packed_policy(self, module: nn.Module, kwargs: dict, seq_idx: torch.Tensor, ids: torch.Tensor, source: str,
+                       nested: bool) -> None:
+        """Cache off (or raise if one was asked for), restarting position_ids and packed masks for hybrids."""
+        info = self.info
+        explicit = kwargs.get("use_cache") is True or any(
+            kwargs.get(k) is not None for k in ("past_key_values", "cache_params")
+        )
+        if explicit and not nested:
+            raise ValueError(
+                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
+                "keeps one recurrent state per row, so there is no right state to store. Call with "
+                "use_cache=False, or pad the sequences (left or right) instead of packing them."
+            )
+        if "use_cache" in info["params"] or info["var_kwargs"]:
+            kwargs["use_cache"] = False  # the config default would build a cache nobody can use
+        if info["hybrid"] and kwargs.get("position_ids") is None and info["accepts_position_ids"]:
+            kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)
+        if info["packed_attention_mask"] and "attention_mask" in info["params"]:
+            mask = kwargs.get("attention_mask")
+            if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+                kwargs["attention_mask"] = _packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])
 
 
 def _post_hook(module: nn.Module, args, output):
@@ -257,7 +279,7 @@ def _post_hook(module: nn.Module, args, output):
     return None
 
 
-def _packed_mask_mapping(module: nn.Module, ids: torch.Tensor, seq_idx: torch.Tensor, keys: tuple[str, ...]) -> dict:
+def _packed_mask_mapping(module: nn.Module, seq_idx: torch.Tensor, keys: tuple[str, ...]) -> dict:
     """Block-diagonal causal masks for hybrids whose own mask construction ignores packing."""
     from transformers.masking_utils import create_causal_mask
 

@@ -1,0 +1,15 @@
+"""Shared helpers for the wrap tests."""
+
+from __future__ import annotations
+
+import torch
+
+def packed_batch(lens: list[int], seed: int = 0, vocab: int = 250):
+    """Sequences of the given lengths, their concatenation [1, T] and the three boundary encodings."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, vocab, (L,), generator=g) for L in lens]
+    ids = torch.cat(seqs)[None]  # [1, T]
+    seq_idx = torch.cat([torch.full((L,), i, dtype=torch.int32) for i, L in enumerate(lens)])[None]  # [1, T]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # [N + 1]
+    pos = torch.cat([torch.arange(L) for L in lens])[None]  # [1, T]
+    return seqs, ids, seq_idx, cu, pos
