@@ -1,0 +1,152 @@
+"""The generic padding-correct Mamba1 mixer (Mamba, FalconMamba, Jamba).
+
+The three transformers 5.23 mixers share one structure::
+
+    in_proj(h) -> [x | z] -> causal conv(x) -> x_proj(x) -> [dt_low | B | C]
+      -> (optional RMS norms on dt_low, B, C) -> dt_proj -> selective scan(x, dt, A, B, C, D, z) -> out_proj
+
+and differ only in the optional norms (FalconMamba: weightless RMS norms; Jamba: RMS norms with weights),
+which a :class:`~safepad.specs.MixerSpec` declares by attribute name. This forward calls ``in_proj``,
+``x_proj``, ``dt_proj``, the norms and ``out_proj`` as modules, so PEFT adapters and hooks on them stay
+active. When ``dt_proj`` is a plain ``nn.Linear`` its bias goes into the scan as ``delta_bias`` in float32
+(exactly the stock numerics, as mamba-ssm does); any other ``dt_proj`` (a LoRA layer, a quantized linear)
+is called whole and its output used as the biased ``dt``.
+
+What it fixes over the stock mixers:
+
+* packed rows (``seq_idx`` / ``cu_seq_lens`` / restarting ``position_ids``, read from the call context): the
+  conv window and the scan state reset at every boundary;
+* padded prefill (left, right, holes): pads leave the SSM state untouched (dt := 0 at pads) and the cached
+  conv state holds each row's last K real inputs;
+* chunked prefill continues from the cached conv and SSM states (stock restarts from zero);
+* a full-length 2-D mask (past + current tokens) is accepted on every path; stock raises on chunked
+  prefill and corrupts the conv state on decode.
+
+Shapes: ``B`` batch, ``T`` tokens, ``I`` intermediate size, ``N`` state size, ``R`` dt rank, ``K`` conv width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache import read_states, write_states
+from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.selective_scan import selective_scan, selective_state_step
+from .common import prepare_layout
+
+__all__ = ["mamba1_mixer_forward"]
+
+
+def _norm(module: nn.Module, name: str | None, x: Tensor) -> Tensor:
+    """Apply the optional norm submodule ``module.<name>`` (called as a module) to ``x``."""
+    return x if name is None else getattr(module, name)(x)
+
+
+def _dt(module: nn.Module, dt_low: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``dt_low`` ``[..., R]`` -> (``dt`` ``[..., I]`` before the bias, ``delta_bias`` ``[I]`` float32 or None)."""
+    proj = module.dt_proj
+    if type(proj) is nn.Linear:  # stock numerics: W @ dt_low in the model dtype, bias added in float32 in the scan
+        bias = proj.bias.float() if proj.bias is not None else None
+        return F.linear(dt_low, proj.weight), bias
+    return proj(dt_low), None  # adapters / quantized layers: the module's own output, bias included
+
+
+def _split_xproj(module: nn.Module, x: Tensor, opts) -> tuple[Tensor, Tensor, Tensor]:
+    """Conv output ``x`` ``[..., I]`` -> (dt_low ``[..., R]``, B ``[..., N]``, C ``[..., N]``) after the norms."""
+    R, N = module.time_step_rank, module.ssm_state_size
+    dt_low, Bm, Cm = module.x_proj(x).split([R, N, N], dim=-1)  # [..., R], [..., N], [..., N]
+    dt_low = _norm(module, opts.get("dt_norm"), dt_low)
+    Bm = _norm(module, opts.get("b_norm"), Bm)
+    Cm = _norm(module, opts.get("c_norm"), Cm)
+    return dt_low, Bm, Cm
+
+
+def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):
+    """Padding/packing-correct forward of a Mamba1-style mixer.
+
+    Args:
+        hidden_states: ``[B, T, hidden]``.
+        cache_params: a transformers ``DynamicCache`` (``past_key_values`` is accepted too) or None.
+        attention_mask: ``[B, T]`` or the full-length ``[B, past + T]`` 2-D padding mask, or None.
+
+    Returns:
+        ``[B, T, hidden]`` in the dtype of ``hidden_states``.
+    """
+    opts = self._safepad_spec.options
+    backend = self._safepad_backend
+    cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
+    hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
+    Bsz, T, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    mask = layout.mask
+    I = self.intermediate_size  # noqa: E741 - intermediate size
+
+    if mask is not None:
+        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+    projected = self.in_proj(hidden_states)  # [B, T, 2I]
+    x, gate = projected.split([I, I], dim=-1)  # [B, T, I], [B, T, I]
+
+    A = -torch.exp(self.A_log.float())  # [I, N]
+    D = self.D.float()  # [I]
+    weight = self.conv1d.weight.squeeze(1)  # [I, 1, K] -> [I, K]
+    bias = self.conv1d.bias if self.use_conv_bias else None
+    K = weight.shape[-1]
+    past = read_states(cache, self.layer_idx)
+
+    if past.has_previous and T == 1:
+        # decode: one token per row, continuing from the cache
+        xc, conv_new = causal_conv1d_step(
+            x[:, 0], past.conv, weight, bias, activation=self.activation, backend=backend
+        )  # [B, I], [B, I, K]
+        dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, R], [B, N], [B, N]
+        dt, delta_bias = _dt(self, dt_low)  # [B, I]
+        y, ssm_new = selective_state_step(
+            past.recurrent, xc, dt, A, Bm, Cm, D=D, z=gate[:, 0], delta_bias=delta_bias, delta_softplus=True, backend=backend
+        )  # [B, I], [B, I, N]
+        if mask is not None:  # a masked decode token leaves its row's states untouched
+            keep = mask[:, 0]
+            conv_new = torch.where(keep[:, None, None], conv_new, past.conv)
+            ssm_new = torch.where(keep[:, None, None], ssm_new, past.recurrent.to(ssm_new.dtype))
+        write_states(cache, self.layer_idx, conv=conv_new, recurrent=ssm_new)
+        y = y[:, None]  # [B, 1, I]
+    else:
+        want_state = cache is not None
+        conv_out = causal_conv1d(
+            x,
+            weight,
+            bias,
+            activation=self.activation,
+            seq_idx=layout.seq_idx,
+            initial_state=past.conv,
+            token_mask=mask,
+            return_final_state=want_state,
+            state_len=K,
+            backend=backend,
+        )
+        xc, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, I], [B, I, K]
+        dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, T, R], [B, T, N], [B, T, N]
+        dt, delta_bias = _dt(self, dt_low)  # [B, T, I]
+        scan_out = selective_scan(
+            xc,
+            dt,
+            A,
+            Bm,
+            Cm,
+            D=D,
+            z=gate,
+            delta_bias=delta_bias,
+            delta_softplus=True,
+            seq_idx=layout.seq_idx,
+            initial_state=past.recurrent,
+            token_mask=mask,
+            return_final_state=want_state,
+            backend=backend,
+        )
+        y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, I], [B, I, N]
+        if want_state:
+            write_states(cache, self.layer_idx, conv=conv_final.to(x.dtype), recurrent=ssm_final)
+
+    out = self.out_proj(y.to(dtype))  # [B, T, hidden]
+    return layout.restore(out)
