@@ -1,0 +1,121 @@
+"""Collator and packing benchmark: safepad vs transformers / TRL, measured side by side in one run.
+
+Lengths: lognormal with median 300 tokens (sigma 1.0), capped at 4096. Prints the ratios LAST.
+
+    python benchmarks/bench_collator.py [--examples 100000] [--batches 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+from transformers import DataCollatorWithFlattening
+
+from collators import DataCollatorForPackedSSM, pack_dataset
+
+MAX_LENGTH = 4096
+
+
+def lognormal_lengths(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.clip(np.round(rng.lognormal(np.log(300), 1.0, n)), 1, MAX_LENGTH).astype(np.int64)
+
+
+def make_dataset(rng: np.random.Generator, lengths: np.ndarray) -> datasets.Dataset:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.integers(0, 32000, int(offsets[-1]), dtype=np.int32)
+    col = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(tokens))
+    return datasets.Dataset(pa.table({"input_ids": col}))
+
+
+def best_of(fn, repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bench_collators(rng: np.random.Generator, n_batches: int) -> tuple[float, float, int]:
+    batches = [
+        [{"input_ids": rng.integers(0, 32000, int(n)).tolist()} for n in lognormal_lengths(rng, 8)]
+        for _ in range(n_batches)
+    ]
+    ours = DataCollatorForPackedSSM()
+    theirs = DataCollatorWithFlattening(return_seq_idx=True, return_flash_attn_kwargs=True)
+    a, b = ours(batches[0]), theirs(batches[0])  # warm-up, and both agree on the layout
+    for k in ("input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q"):
+        assert torch.equal(a[k], b[k]), k
+    t_ours = best_of(lambda: [ours(f) for f in batches])
+    t_theirs = best_of(lambda: [theirs(f) for f in batches])
+    tokens = sum(len(f["input_ids"]) for batch in batches for f in batch)
+    return t_ours, t_theirs, tokens
+
+
+def padded_efficiency(rng: np.random.Generator, lengths: np.ndarray, batch: int = 8) -> float:
+    perm = rng.permutation(lengths)[: len(lengths) // batch * batch].reshape(-1, batch)  # [n_batches, 8]
+    return float(perm.sum() / (perm.max(axis=1) * batch).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--examples", type=int, default=100_000)
+    parser.add_argument("--batches", type=int, default=400)
+    args = parser.parse_args()
+    datasets.disable_progress_bars()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+
+    # 1. collator throughput on identical plain features (batches of 8)
+    t_ours, t_hf, tokens = bench_collators(rng, args.batches)
+    print(f"collator, {args.batches} batches of 8 ({tokens} tokens):")
+    print(f"  DataCollatorForPackedSSM           {t_ours * 1e3:9.1f} ms  ({tokens / t_ours / 1e6:6.1f} M tok/s)")
+    print(f"  DataCollatorWithFlattening (HF)    {t_hf * 1e3:9.1f} ms  ({tokens / t_hf / 1e6:6.1f} M tok/s)")
+
+    # 2. pack_dataset BFD vs TRL on the same Dataset
+    from trl import pack_dataset as trl_pack_dataset
+
+    lengths = lognormal_lengths(rng, args.examples)
+    ds = make_dataset(rng, lengths)
+    print(f"\npack_dataset on {args.examples} examples, {int(lengths.sum())} tokens, max_length={MAX_LENGTH}:")
+    results = {}
+    runs = [
+        ("safepad bfd, batch 1000, no position_ids", dict(batch_size=1000, emit_position_ids=False)),
+        ("safepad bfd, batch 10000, no position_ids", dict(batch_size=10_000, emit_position_ids=False)),
+        ("safepad bfd, default (batch 10000, + position_ids)", dict()),
+    ]
+    for name, kw in runs:
+        t0 = time.perf_counter()
+        packed, stats = pack_dataset(ds, MAX_LENGTH, return_stats=True, **kw)
+        results[name] = (time.perf_counter() - t0, stats.fill_ratio, len(packed))
+    for strategy in ("bfd", "bfd_split"):
+        t0 = time.perf_counter()
+        packed = trl_pack_dataset(ds, MAX_LENGTH, strategy=strategy)  # map default: batch 1000
+        fill = float(lengths.clip(max=MAX_LENGTH).sum() / (len(packed) * MAX_LENGTH))
+        results[f"TRL {strategy}, batch 1000"] = (time.perf_counter() - t0, fill, len(packed))
+    for name, (t, fill, rows) in results.items():
+        print(f"  {name:<52s} {t:7.2f} s  fill {fill * 100:6.2f}%  rows {rows}")
+
+    # 3. token efficiency of plain padding
+    eff = padded_efficiency(rng, lengths)
+    print(f"\npadded random batches of 8 (pad to longest): token efficiency {eff * 100:.1f}%")
+
+    t_trl = results["TRL bfd, batch 1000"][0]
+    t_same = results["safepad bfd, batch 1000, no position_ids"][0]
+    t_default = results["safepad bfd, default (batch 10000, + position_ids)"][0]
+    fill_default = results["safepad bfd, default (batch 10000, + position_ids)"][1]
+    print("\nratios (higher is better):")
+    print(f"  collator speed-up vs DataCollatorWithFlattening:        {t_hf / t_ours:6.2f}x  (target >= 3x)")
+    print(f"  pack_dataset speed-up vs TRL bfd, same output/batching: {t_trl / t_same:6.2f}x  (target >= 1x)")
+    print(f"  pack_dataset speed-up vs TRL bfd, safepad defaults:     {t_trl / t_default:6.2f}x")
+    print(f"  BFD fill ratio (defaults):                              {fill_default * 100:6.2f}%  (target >= 98%)")
+    print(f"  packed vs padded token efficiency:                      {fill_default / eff:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
