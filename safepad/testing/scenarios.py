@@ -1,8 +1,10 @@
 """The scenario matrix: every padding / packing / caching layout, checked against per-sequence runs.
 
 The reference for every scenario is each sequence run ALONE through the stock (unwrapped) model: a full
-forward without padding, without packing and (unless the scenario needs a cache) without a cache. A model
-under test (stock or wrapped) runs the same tokens in the scenario's layout and is compared with it:
+forward without padding, without packing and without a cache. Decode steps are compared with a full forward
+of the sequence grown by the same greedy tokens (the stock single-token path is itself wrong in nemotron_h
+and zamba2, which ignore their dt floor in decode), and cached states with the stock cached prefill of the
+sequence alone. A model under test (stock or wrapped) runs the same tokens in the scenario's layout:
 
 ==================== ======================================================================================
 name                 layout
@@ -18,7 +20,7 @@ chunked_prefill_pad  the same with one row right-padded inside the last chunk
 decode_default       8-token cached prefill, then token-by-token decode, vs one full forward
 decode_dt_min        the same with every mixer's ``time_step_limit = (0.05, inf)`` (Mamba2 family only)
 decode_dt_max        the same with ``time_step_limit = (0.0, 0.01)`` (Mamba2 family only)
-generate             left-padded greedy ``generate`` of 3 prompts vs each prompt generated alone
+generate             left-padded greedy ``generate`` of 3 prompts vs each prompt's greedy continuation alone
 ==================== ======================================================================================
 
 Caching scenarios also compare the cached states right after the prefill (per layer: conv state and
@@ -115,6 +117,7 @@ class ScenarioResult:
         mismatched_tokens: ``generate`` only: generated tokens that differ from the per-prompt run.
         seconds: wall time of the scenario.
         note: why it is not applicable, or other context.
+        details: finer errors, e.g. ``prefill_logits`` / ``decode_logits`` of the padded-decode scenarios.
     """
 
     name: str
@@ -127,6 +130,7 @@ class ScenarioResult:
     mismatched_tokens: int | None = None
     seconds: float = 0.0
     note: str | None = None
+    details: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_state_error(self) -> float | None:
@@ -183,6 +187,8 @@ class AuditReport:
     tol: float
     dtype: str = "float32"
     device: str = "cpu"
+    #: ``{"stock": [...], "wrapped": [...]}`` cached-state error vs number of trailing pads (:func:`pad_sweep`)
+    pad_sweep: dict[str, list[float]] | None = None
 
     @property
     def subject(self) -> list[ScenarioResult]:
@@ -208,6 +214,7 @@ class AuditReport:
             "passed": self.passed,
             "stock": [r.to_dict() for r in self.stock],
             "wrapped": None if self.wrapped is None else [r.to_dict() for r in self.wrapped],
+            "pad_sweep": self.pad_sweep,
         }
 
 
@@ -354,25 +361,44 @@ def _alone_full(ref: _ModelIO, ids: Tensor) -> Tensor:
     return logits[0]
 
 
-def _alone_decode(ref: _ModelIO, ids: Tensor, steps: int) -> tuple[Tensor, dict[str, Tensor], list[int], list[Tensor]]:
-    """Cached prefill of ``[L]`` ids alone, then ``steps`` greedy decode steps.
+def _alone_states(ref: _ModelIO, ids: Tensor) -> dict[str, Tensor]:
+    """Cached states after a cached prefill of ``[L]`` ids alone (the stock prefill path is the reference)."""
+    _, cache = ref(ids[None], position_ids=torch.arange(ids.numel())[None], use_cache=True)
+    return cache_states(cache)
 
-    Returns (``[L, V]`` prefill logits, cached states right after the prefill, the greedy tokens fed,
-    the ``[V]`` logits of every decode step).
+
+def _banned_tokens(model: nn.Module) -> list[int]:
+    """eos ids: never chosen by the greedy reference, as ``min_new_tokens`` does for ``generate``."""
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _greedy(logits: Tensor, banned: Sequence[int]) -> int:
+    """Greedy choice from ``[V]`` logits, never a ``banned`` id."""
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = -math.inf
+    return int(logits.argmax())
+
+
+def _alone_greedy(ref: _ModelIO, ids: Tensor, n_new: int) -> tuple[Tensor, list[int], list[Tensor]]:
+    """Greedy continuation of ``[L]`` ids alone, every step a full forward without cache (no decode path).
+
+    Returns (``[L, V]`` logits of the prompt, the ``n_new`` greedy tokens, the ``[V]`` logits each token was
+    chosen from). Full forwards keep the reference independent of the stock single-token path, which is
+    itself wrong for some families (no dt clamp in nemotron_h / zamba2 decode).
     """
-    n = ids.numel()
-    logits, cache = ref(ids[None], position_ids=torch.arange(n)[None], use_cache=True)
-    prefill, states = logits[0], cache_states(cache)
+    banned = _banned_tokens(ref.model)
+    prompt = _alone_full(ref, ids)
     tokens: list[int] = []
-    step_logits: list[Tensor] = []
-    last = logits[0, -1]
-    for k in range(steps):
-        tok = int(last.argmax())
-        tokens.append(tok)
-        logits, cache = ref(torch.tensor([[tok]]), position_ids=torch.tensor([[n + k]]), cache=cache, use_cache=True)
-        last = logits[0, -1]
-        step_logits.append(last)
-    return prefill, states, tokens, step_logits
+    step_logits = [prompt[-1]]
+    for k in range(n_new):
+        tokens.append(_greedy(step_logits[-1], banned))
+        if k + 1 < n_new:
+            seq = torch.cat([ids, torch.tensor(tokens, dtype=ids.dtype)])
+            step_logits.append(_alone_full(ref, seq)[-1])
+    return prompt, tokens, step_logits
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -421,26 +447,33 @@ def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int)
     left = res.name == "left_pad_decode"
     gen = _gen(seed, "pad_decode")
     seqs = [_tokens(gen, ref.vocab, n) for n in _PAD_LENGTHS]
-    alone = _memo(ref, ("pad_decode", seed), lambda: [_alone_decode(ref, s, _DECODE_STEPS) for s in seqs])
+    # decode step k feeds token k and is compared with the logits token k + 1 is chosen from
+    alone = _memo(
+        ref,
+        ("pad_decode", seed),
+        lambda: [(*_alone_greedy(ref, s, _DECODE_STEPS + 1), _alone_states(ref, s)) for s in seqs],
+    )
     ids, mask, pos = _padded_batch(seqs, left)
     logits, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    err = 0.0
-    got_states = cache_states(cache)
-    for b, (prefill, states, _, _) in enumerate(alone):
-        real = mask[b].bool()
-        err = max(err, _maxdiff(logits[b, real.to(logits.device)], prefill))
-        _state_errors(got_states, b, states, res.state_errors, res.state_scales)
     if cache is None:
         raise RuntimeError("the model returned no cache for use_cache=True")
+    got_states = cache_states(cache)
+    prefill_err = 0.0
+    for b, (prompt, _, _, states) in enumerate(alone):
+        real = mask[b].bool().to(logits.device)
+        prefill_err = max(prefill_err, _maxdiff(logits[b, real], prompt))
+        _state_errors(got_states, b, states, res.state_errors, res.state_scales)
     lengths = torch.tensor(_PAD_LENGTHS)
+    decode_err = 0.0
     for k in range(_DECODE_STEPS):
-        tok = torch.tensor([[a[2][k]] for a in alone])  # [B, 1] each row's own greedy token
+        tok = torch.tensor([[a[1][k]] for a in alone])  # [B, 1] each row's own greedy token
         mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=mask.dtype)], dim=1)  # [B, width + k + 1]
         step_pos = (lengths + k)[:, None]  # [B, 1]
         logits, cache = io(tok, attention_mask=io.decode_mask(mask), position_ids=step_pos, cache=cache, use_cache=True)
         for b, a in enumerate(alone):
-            err = max(err, _maxdiff(logits[b, -1], a[3][k]))
-    res.max_abs_logits = err
+            decode_err = max(decode_err, _maxdiff(logits[b, -1], a[2][k + 1]))
+    res.details.update(prefill_logits=prefill_err, decode_logits=decode_err)
+    res.max_abs_logits = max(prefill_err, decode_err)
 
 
 def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
@@ -452,7 +485,7 @@ def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) ->
     expected, alone_states = _memo(
         ref,
         (res.name, seed),
-        lambda: ([_alone_full(ref, s) for s in seqs], [_alone_decode(ref, s, 0)[1] for s in seqs]),
+        lambda: ([_alone_full(ref, s) for s in seqs], [_alone_states(ref, s) for s in seqs]),
     )
     bounds = [0, *_CHUNK_SPLITS, ids.shape[1]]
     cache, outs = None, []
@@ -527,18 +560,16 @@ def _generate(model: nn.Module, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tens
 def _scn_generate(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
     gen = _gen(seed, "generate")
     seqs = [_tokens(gen, ref.vocab, n) for n in _GEN_LENGTHS]
-    alone = _memo(
-        ref, ("generate", seed), lambda: [_generate(ref.model, s[None], torch.ones(1, s.numel(), dtype=torch.long)) for s in seqs]
-    )
+    alone = _memo(ref, ("generate", seed), lambda: [_alone_greedy(ref, s, _GEN_NEW_TOKENS) for s in seqs])
     ids, mask, _ = _padded_batch(seqs, left=True)
     tokens, logits = _generate(io.model, ids, mask)
     mismatches, err = 0, 0.0
-    for b, (ref_tokens, ref_logits) in enumerate(alone):
-        diff = tokens[b] != ref_tokens[0]
+    for b, (_, ref_tokens, ref_logits) in enumerate(alone):
+        diff = tokens[b] != torch.tensor(ref_tokens)
         mismatches += int(diff.sum())
         # logits are comparable up to (and including) the first diverging step
         upto = int(diff.float().argmax()) + 1 if diff.any() else diff.numel()
-        err = max(err, _maxdiff(logits[b, :upto], ref_logits[0, :upto]))
+        err = max(err, _maxdiff(logits[b, :upto], torch.stack(ref_logits[:upto]).cpu()))
     res.mismatched_tokens, res.max_abs_logits = mismatches, err
 
 
@@ -637,16 +668,18 @@ def audit(
     tol: float | None = None,
     progress: Callable[[str, ScenarioResult], None] | None = None,
     model_name: str | None = None,
+    sweep_pads: int | None = None,
 ) -> AuditReport:
     """Run the matrix on the stock model and on a wrapped copy, both against the stock per-sequence reference.
 
     Args:
-        model_factory_or_model: a model, or a zero-argument callable returning one (not modified).
+        model_factory_or_model: a stock model (left unmodified), or a zero-argument callable returning one.
         wrap_fn: ``model -> wrapped model`` applied to a deep copy; None for a stock-only audit.
         names: scenario ids (default :data:`SCENARIOS`).
         tol: see :func:`run_scenario`.
         progress: ``progress(which, result)`` after each scenario, ``which`` in ``{"stock", "wrapped"}``.
         model_name: label for the report (default: the model class name).
+        sweep_pads: also run :func:`pad_sweep` with this many pads on both models (``report.pad_sweep``).
     """
     names = _check_names(names)
     if isinstance(model_factory_or_model, nn.Module):
@@ -657,7 +690,7 @@ def audit(
         raise ValueError("model_factory_or_model: pass an nn.Module or a zero-argument callable returning one")
     model.eval()
     reference = copy.deepcopy(model).eval()
-    stock = copy.deepcopy(model).eval()
+    stock = model  # run as is: only the wrapped copy is modified
     wrapped = None
     if wrap_fn is not None:
         before = _probe(reference)
@@ -678,6 +711,11 @@ def audit(
 
     stock_res = run_matrix(stock, reference, names, _cb("stock"), tol=tol)
     wrapped_res = None if wrapped is None else run_matrix(wrapped, reference, names, _cb("wrapped"), tol=tol)
+    sweep = None
+    if sweep_pads is not None:
+        sweep = {"stock": pad_sweep(stock, reference, sweep_pads)}
+        if wrapped is not None:
+            sweep["wrapped"] = pad_sweep(wrapped, reference, sweep_pads)
     return AuditReport(
         model_name=model_name or type(model).__name__,
         stock=stock_res,
@@ -685,6 +723,7 @@ def audit(
         tol=tol,
         dtype=str(first.dtype).removeprefix("torch."),
         device=str(first.device),
+        pad_sweep=sweep,
     )
 
 
@@ -702,7 +741,7 @@ def pad_sweep(
         raise ValueError(f"max_pads must be >= 0 and length >= 1, got max_pads={max_pads}, length={length}")
     io, ref = _ModelIO(model), _ModelIO(reference_model)
     seq = _tokens(_gen(seed, "pad_sweep"), ref.vocab, length)
-    _, alone_states, _, _ = _alone_decode(ref, seq, 0)
+    alone_states = _alone_states(ref, seq)
     errors = []
     for n in range(max_pads + 1):
         ids = torch.cat([seq, torch.full((n,), _PAD_ID)])[None]  # [1, length + n]
@@ -746,7 +785,8 @@ def packed_loss_grad_errors(
 
     Returns:
         ``{"loss": |Δ loss|, "loss_rel": |Δ loss| / |loss_ref|, "grad": max |Δ grad|,
-        "grad_rel": max |Δ grad| / max |grad_ref|}``. Gradients are left cleared on both models.
+        "grad_rel": max |Δ grad| / max |grad_ref|}``. Gradients are left cleared on both models. Unlike
+        :func:`run_scenario`, an exception raised by ``model`` propagates.
     """
     names = {"position_ids": "packed_position_ids", "seq_idx": "packed_seq_idx", "cu_seq_lens": "packed_cu_seq_lens"}
     if boundaries not in names:

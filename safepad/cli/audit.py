@@ -1,0 +1,255 @@
+"""``safepad audit``: run the scenario matrix on a stock model and on its wrapped copy, side by side.
+
+Exit status: 0 iff every applicable scenario of the wrapped model (of the stock model with ``--no-wrap``)
+passes, 1 otherwise, 2 for usage errors (unknown family or scenario, bad model path, wrap unavailable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
+from ..testing.tiny import FAMILIES, tiny_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_parser", "run", "plot_pad_sweep"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "audit",
+        help="check a model's padding / packing / caching correctness, stock vs wrapped",
+        description=(
+            "Run every padding, packing and caching scenario on the stock model and on a safepad-wrapped copy, "
+            "each compared with the sequences run one at a time through the stock model. Default model: the "
+            "built-in tiny Nemotron-H."
+        ),
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--family", default=None, help=f"built-in tiny model: {', '.join(FAMILIES)} (default nemotron_h)")
+    src.add_argument("--model", metavar="PATH", default=None, help="local checkpoint directory (AutoModelForCausalLM)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    p.add_argument("--backend", default="auto", help="safepad.wrap backend (default auto)")
+    p.add_argument("--scenarios", default=None, metavar="A,B,C", help=f"subset of: {', '.join(SCENARIOS)}")
+    p.add_argument("--tol", type=float, default=None, help="max |Δ| tolerated (default: by dtype, 1e-4 for fp32)")
+    p.add_argument("--no-wrap", action="store_true", help="audit the stock model only")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    p.add_argument("--plot", metavar="FILE", default=None, help="PNG: cached-state error vs trailing pad count")
+    p.add_argument("--max-pads", type=int, default=8, help="pad counts 0..N for --plot (default 8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+    return p
+
+
+def _parse_scenarios(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    if args.scenarios is None:
+        return list(SCENARIOS)
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        parser.error(f"--scenarios: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(SCENARIOS)}")
+    return names
+
+
+def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[nn.Module, str]:
+    dtype = _DTYPES[args.dtype]
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available; use --device cpu")
+    if args.model is not None:
+        if not os.path.isdir(args.model):
+            parser.error(f"--model: {args.model!r} is not a directory; pass a local checkpoint directory")
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--model: cannot load {args.model!r} with AutoModelForCausalLM: {exc}")
+        return model.to(device).eval(), os.path.basename(os.path.normpath(args.model))
+    family = args.family or "nemotron_h"
+    if family not in FAMILIES:
+        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    return tiny_model(family, dtype=dtype).to(device), f"tiny {family}"
+
+
+def _resolve_wrap(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, wrap_fn: Callable[[nn.Module], nn.Module] | None
+) -> Callable[[nn.Module], nn.Module] | None:
+    if args.no_wrap:
+        return None
+    if wrap_fn is not None:
+        return wrap_fn
+    try:
+        from ..wrap import wrap
+    except ImportError as exc:
+        parser.error(f"safepad.wrap is not available ({exc}); run with --no-wrap for a stock-only audit")
+    backend = args.backend
+    return lambda model: wrap(model, backend=backend)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.1e}" if math.isfinite(x) else str(x)
+
+
+def _cell(r: ScenarioResult) -> str:
+    """Rich markup for one model's max |Δ logits| cell."""
+    if not r.applicable:
+        return "[dim]n/a[/]"
+    if r.error is not None:
+        return f"[red]raises {r.error.split(':')[0]}[/]"
+    text = _fmt(r.max_abs_logits)
+    if r.mismatched_tokens:
+        text += f" ({r.mismatched_tokens} tok)"
+    return f"[green]{text}[/]" if r.passed else f"[red]{text}[/]"
+
+
+def _states(r: ScenarioResult | None) -> str:
+    if r is None or not r.state_errors:
+        return ""
+    return f"conv {_fmt(r.max_state_error_of('conv'))} / rec {_fmt(r.max_state_error_of('recurrent'))}"
+
+
+def _verdict(r: ScenarioResult) -> str:
+    return {"n/a": "[dim]n/a[/]", "ok": "[green]pass[/]"}.get(r.status, "[bold red]FAIL[/]")
+
+
+def _print_report(console: Any, report: AuditReport) -> None:
+    from rich.table import Table
+
+    wrapped = report.wrapped is not None
+    table = Table(title=f"safepad audit: {report.model_name} ({report.dtype}, {report.device}, tol {report.tol:g})")
+    table.add_column("scenario")
+    table.add_column("stock max|Δ|", justify="right")
+    if wrapped:
+        table.add_column("wrapped max|Δ|", justify="right")
+    table.add_column("result")
+    table.add_column("stock cached state max|Δ|")
+    if wrapped:
+        table.add_column("wrapped cached state max|Δ|")
+    for stock, wr in report.rows():
+        subject = wr if wr is not None else stock
+        row = [stock.name, _cell(stock)]
+        if wrapped:
+            row.append(_cell(wr))
+        row += [_verdict(subject), _states(stock)]
+        if wrapped:
+            row.append(_states(wr))
+        table.add_row(*row)
+    console.print(table)
+    for stock, wr in report.rows():
+        for label, r in (("stock", stock), ("wrapped", wr)):
+            if r is not None and r.error is not None and (label == "wrapped" or not wrapped):
+                console.print(f"[red]{label} {r.name}:[/] {r.error}", markup=True, highlight=False)
+    subject = "wrapped" if wrapped else "stock"
+    n_fail = sum(1 for r in report.subject if r.applicable and not r.passed)
+    if report.passed:
+        console.print(f"[bold green]PASS[/]: every applicable {subject} scenario is within tolerance")
+    else:
+        console.print(f"[bold red]FAIL[/]: {n_fail} {subject} scenario(s) out of tolerance or raising")
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def plot_pad_sweep(sweep: dict[str, list[float]], path: str, title: str = "") -> None:
+    """Write a PNG of cached-state error vs number of trailing pad tokens (one line per model)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    try:
+        for label, errors in sweep.items():
+            ys = [e if math.isfinite(e) else float("nan") for e in errors]
+            ys = [max(y, 1e-12) if y == y else y for y in ys]  # log axis: show exact zeros at the floor
+            ax.plot(range(len(ys)), ys, marker="o", label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("trailing pad tokens in the prefill")
+        ax.set_ylabel("max |Δ| of cached states vs unpadded run")
+        ax.set_title(title or "cached state after right-padded prefill")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    *,
+    wrap_fn: Callable[[nn.Module], nn.Module] | None = None,
+) -> int:
+    """Execute ``safepad audit``; return the exit status."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    names = _parse_scenarios(args, parser)
+    if args.max_pads < 0:
+        parser.error("--max-pads: must be >= 0")
+    if args.tol is not None and not args.tol > 0:
+        parser.error("--tol: must be > 0")
+    fn = _resolve_wrap(args, parser, wrap_fn)
+    model, label = _load_model(args, parser)
+    console = Console()
+    total = len(names) * (1 if fn is None else 2)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=args.no_progress,
+    ) as progress:
+        task = progress.add_task(f"auditing {label}", total=total)
+
+        def _advance(which: str, r: ScenarioResult) -> None:
+            progress.update(task, advance=1, description=f"{which} {r.name}")
+
+        report = audit(
+            model,
+            fn,
+            names,
+            tol=args.tol,
+            progress=_advance,
+            model_name=label,
+            sweep_pads=args.max_pads if args.plot else None,
+        )
+    _print_report(console, report)
+    code = 0 if report.passed else 1
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(_jsonable({**report.to_dict(), "exit_code": code}), fh, indent=2)
+        console.print(f"results written to {args.json}")
+    if args.plot and report.pad_sweep is not None:
+        plot_pad_sweep(report.pad_sweep, args.plot, title=f"{label}: cached state after right-padded prefill")
+        console.print(f"plot written to {args.plot}")
+    return code
