@@ -33,6 +33,12 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def check_backend(backend: str) -> None:
+    """``backend`` must be ``"auto"``, ``"torch"`` or ``"kernels"`` (checked even when no kernel is tried)."""
+    if backend not in ("auto", "torch", "kernels"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'kernels', got {backend!r}")
+
+
 def _check_activation(activation: str | None) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
@@ -188,6 +194,7 @@ def causal_conv1d(
     if bias is not None and tuple(bias.shape) != (D,):
         raise ValueError(f"bias must have shape [dim] = [{D}], got {tuple(bias.shape)}")
     _check_activation(activation)
+    check_backend(backend)
     if seq_idx is not None:
         seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
     mask = _check_token_mask(token_mask, Bsz, T)
@@ -286,6 +293,7 @@ def causal_conv1d_step(
     if bias is not None and tuple(bias.shape) != (D,):
         raise ValueError(f"bias must have shape [dim] = [{D}], got {tuple(bias.shape)}")
     _check_activation(activation)
+    check_backend(backend)
     S = conv_state.shape[2]
     same_dtype = conv_state.dtype == x.dtype == weight.dtype
     if (

@@ -28,6 +28,7 @@ from torch import Tensor
 from safepad.layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 
 from . import kernels
+from .conv import check_backend
 from .dt import process_dt, validate_dt_limit
 
 logger = logging.getLogger(__name__)
@@ -256,6 +257,7 @@ def ssd_scan(
     if dt_bias is not None:
         _check("dt_bias", dt_bias, (H,), "[H]")
     dt_limit = validate_dt_limit(dt_limit)
+    check_backend(backend)
     if seq_idx is not None:
         seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
     if initial_state is not None:
@@ -392,6 +394,7 @@ def ssd_step(
     _check_D(D, H, P)
     if dt_bias is not None:
         _check("dt_bias", dt_bias, (H,), "[H]")
+    check_backend(backend)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     dtp = process_dt(dt, dt_bias, dt_limit, dt_softplus).to(ct)  # [B, H]
     need_grad = torch.is_grad_enabled() and any(
