@@ -83,7 +83,8 @@ def _check_qkv_gates(
     _check_tensor(v, "v", lead + 2)
     _check_tensor(beta, "beta", lead + 1)
     if not isinstance(g, Tensor) or not g.is_floating_point():
-        raise ValueError(f"g must be a floating torch.Tensor, got {type(g).__name__ if not isinstance(g, Tensor) else g.dtype}")
+        got = g.dtype if isinstance(g, Tensor) else type(g).__name__
+        raise ValueError(f"g must be a floating torch.Tensor, got {got}")
     if k.shape != q.shape:
         raise ValueError(f"k must have the shape of q [{dims}, H_k, Dk] = {tuple(q.shape)}, got {tuple(k.shape)}")
     hk, dk = q.shape[-2:]
@@ -162,7 +163,8 @@ def chunk_gated_delta_rule(
         initial_state: ``[B, H, Dk, Dv]``; it reaches only each row's first sequence.
         seq_idx: ``[B, T]`` int sequence index; the state resets wherever it changes inside a row.
         token_mask: ``[B, T]`` bool, True = real token. A masked token neither writes nor decays
-            (``beta, g, k, v := 0``); its output is unspecified.
+            (``beta, g, k, v := 0``); its output is unspecified (zero on the torch path, where ``q := 0``
+            too, so that garbage at pads cannot reach any gradient).
         use_qk_l2norm: L2-normalise ``q`` and ``k`` per head (``eps=1e-6``, as HF's ``l2norm``).
         return_final_state: also return the state after each row's last token, ``[B, H, Dk, Dv]``.
         return_varlen_states: also return the state at the end of every sequence,
@@ -314,18 +316,20 @@ def _torch_chunk(
     cdt = _compute_dtype(q, k, v, g, beta, initial_state)
     q, k, v, g, beta = (x.to(cdt) for x in (q, k, v, g, beta))
 
+    if token_mask is not None:
+        # zero the raw inputs (q too): garbage at pads (inf / nan) never reaches a result or a gradient
+        m = token_mask
+        q = torch.where(m[:, :, None, None], q, 0.0)  # [B, T, H_k, Dk]
+        k = torch.where(m[:, :, None, None], k, 0.0)  # [B, T, H_k, Dk]
+        v = torch.where(m[:, :, None, None], v, 0.0)  # [B, T, H, Dv]
+        beta = torch.where(m[:, :, None], beta, 0.0)  # [B, T, H]
+        g = torch.where(m[:, :, None, None] if per_channel else m[:, :, None], g, 0.0)
+
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)  # [B, T, H_k, Dk]
     if hk != h:
         q, k = (x.repeat_interleave(h // hk, dim=2) for x in (q, k))  # [B, T, H, Dk]
     q = q * scale
-    if token_mask is not None:
-        m = token_mask
-        k = torch.where(m[:, :, None, None], k, 0.0)  # [B, T, H, Dk]
-        v = torch.where(m[:, :, None, None], v, 0.0)  # [B, T, H, Dv]
-        beta = torch.where(m[:, :, None], beta, 0.0)  # [B, T, H]
-        g = torch.where(m[:, :, None, None] if per_channel else m[:, :, None], g, 0.0)
-
     s0 = (
         torch.zeros(bsz, h, dk, dv, dtype=cdt, device=q.device)
         if initial_state is None
@@ -365,12 +369,9 @@ def _torch_chunk(
 
     # Intra-chunk decayed products (exp of non-positive differences only; masked entries are exp(-inf) = 0).
     if per_channel:
-        diff = gcum[..., :, None, :] - gcum[..., None, :, :]  # [N, B, H, C, C, Dk]
-        decay = diff.masked_fill(~pair[..., None], float("-inf")).exp()  # [N, B, H, C, C, Dk]
-        dk_ = decay * kc[..., None, :, :]  # [N, B, H, C(i), C(j), Dk]: k_j * exp(Γ_i - Γ_j)
-        kq = torch.stack([kc, qc], dim=-1)  # [N, B, H, C, Dk, 2]
-        prods = dk_ @ kq  # [N, B, H, C(i), C(j), 2]
-        kk, qk = prods[..., 0], prods[..., 1]  # [N, B, H, C, C] each
+        kk, qk = _per_channel_products(qc, kc, gcum)  # [N, B, H, C, C] each, causal
+        kk = kk.masked_fill(~pair, 0.0)
+        qk = qk.masked_fill(~pair, 0.0)
     else:
         gs = gcum[..., 0]  # [N, B, H, C]
         diff = gs[..., :, None] - gs[..., None, :]  # [N, B, H, C, C]
@@ -391,7 +392,8 @@ def _torch_chunk(
         k_state = k_state * tail
     s_decay = glast.exp().transpose(-1, -2)  # [N, B, H, Dk|1, 1]
     if carry is not None:
-        s_decay = s_decay * carry[:, :, :, -1:]  # [N, B, H, 1|Dk, 1]: state survives only if the chunk-end seq is carried
+        # the carried state survives the chunk only if the chunk-end token continues it
+        s_decay = s_decay * carry[:, :, :, -1:]  # [N, B, H, Dk|1, 1]
     k_state_t = k_state.transpose(-1, -2)  # [N, B, H, Dk, C]
 
     # Sequential part: two matmuls per chunk. unbind (not u[i]) keeps the backward linear in the chunk count.
@@ -417,6 +419,50 @@ def _torch_chunk(
         else:
             varlen = _sequence_end_states(seq_idx, t, c, gcum, kc, vns, hs, carry, pair)
     return o, s, varlen
+
+
+_SUB = 16  # sub-chunk size of the per-channel (KDA) intra-chunk products
+
+
+def _per_channel_products(qc: Tensor, kc: Tensor, gcum: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal ``kk[i, j] = Σ_d k_id k_jd exp(Γ_id - Γ_jd)`` and ``qk`` (same with ``q_i``), ``j <= i``.
+
+    qc, kc, gcum ``[N, B, H, C, Dk]`` -> two ``[N, B, H, C, C]`` (zero above the diagonal).
+
+    A per-channel decay does not factor into one matmul stably, so the chunk is cut into sub-chunks of
+    ``_SUB`` tokens. Pairs inside a diagonal sub-chunk use the explicit ``[s, s, Dk]`` decay; a query in
+    sub-chunk ``a`` and a key in an earlier one are split at ``r = a * s - 1`` (``j <= r < i``):
+    ``exp(Γ_i - Γ_j) = exp(Γ_i - Γ_r) * exp(Γ_r - Γ_j)``, both factors <= 1. Memory is
+    ``O(C * (s + C / s) * Dk)`` per chunk instead of ``O(C^2 * Dk)``.
+    """
+    c = qc.shape[-2]
+    s = _SUB if (c % _SUB == 0 and c > _SUB) else c
+    m = c // s
+    lead = qc.shape[:-2]
+    qb, kb, gb = (x.unflatten(-2, (m, s)) for x in (qc, kc, gcum))  # [N, B, H, m, s, Dk]
+
+    # diagonal sub-chunks: explicit decay tensor
+    causal = torch.ones(s, s, dtype=torch.bool, device=qc.device).tril()  # [s, s]
+    diff = gb[..., :, None, :] - gb[..., None, :, :]  # [N, B, H, m, s(i), s(j), Dk]
+    kdec = diff.masked_fill(~causal[..., None], float("-inf")).exp() * kb[..., None, :, :]  # [.., m, s, s, Dk]
+    diag = kdec @ torch.stack([kb, qb], dim=-1)  # [N, B, H, m, s(i), s(j), 2]
+    eye_m = torch.eye(m, dtype=qc.dtype, device=qc.device)  # [m, m]
+    full = diag[..., :, :, None, :, :] * eye_m[:, None, :, None, None]  # [N, B, H, m, s, m, s, 2]
+    full = full.reshape(*lead, c, c, 2)  # [N, B, H, C, C, 2]: block diagonal
+
+    if m > 1:
+        g_ref = gb[..., :-1, -1:, :]  # [N, B, H, m-1, 1, Dk]: Γ at r_a = a*s - 1, for a = 1..m-1
+        pos = torch.arange(c, device=qc.device)  # [C]
+        before = pos[None, :] < (torch.arange(1, m, device=qc.device) * s)[:, None]  # [m-1, C]: j <= r_a
+        k_ref = (g_ref - gcum[..., None, :, :]).masked_fill(~before[..., None], float("-inf"))  # [.., m-1, C, Dk]
+        k_t = kc[..., None, :, :] * k_ref.exp()  # [N, B, H, m-1, C, Dk]: k_j exp(Γ_r - Γ_j), 0 for j > r
+        x_dec = (gb[..., 1:, :, :] - g_ref).exp()  # [N, B, H, m-1, s, Dk]: exp(Γ_i - Γ_r)
+        x = torch.cat([kb[..., 1:, :, :] * x_dec, qb[..., 1:, :, :] * x_dec], dim=-2)  # [N, B, H, m-1, 2s, Dk]
+        off = x @ k_t.transpose(-1, -2)  # [N, B, H, m-1, 2s, C]
+        off = torch.stack([off[..., :s, :], off[..., s:, :]], dim=-1)  # [N, B, H, m-1, s, C, 2]
+        off = F.pad(off.reshape(*lead, (m - 1) * s, c, 2), (0, 0, 0, 0, s, 0))  # [N, B, H, C, C, 2]
+        full = full + off
+    return full[..., 0], full[..., 1]
 
 
 def _sequence_end_states(
@@ -487,6 +533,7 @@ def _fla_chunk(
     g = g.float()
     if token_mask is not None:
         m = token_mask
+        q = torch.where(m[:, :, None, None], q, 0.0)
         k = torch.where(m[:, :, None, None], k, 0.0)
         v = torch.where(m[:, :, None, None], v, 0.0)
         beta = torch.where(m[:, :, None], beta, 0.0)

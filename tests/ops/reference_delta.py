@@ -36,7 +36,10 @@ def reference_delta_rule(
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     rep = h // hk
     scale = dk**-0.5 if scale is None else scale
-    s = torch.zeros(h, dk, dv, dtype=torch.float64) if initial_state is None else initial_state.detach().double().clone()
+    if initial_state is None:
+        s = torch.zeros(h, dk, dv, dtype=torch.float64)
+    else:
+        s = initial_state.detach().double().clone()
     o = torch.zeros(length, h, dv, dtype=torch.float64)
     for t in range(length):
         for head in range(h):

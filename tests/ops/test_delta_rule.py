@@ -221,15 +221,22 @@ def test_masked_layouts_equal_compacted(per_channel):
     seq_idx[3, 8:] = 1
     h0 = torch.randn(4, h, dk, dv)
     # garbage at pads must not leak: inf/nan never reach the result
-    q, k, v, g, beta = (x.masked_fill(~mask.view(4, t, *([1] * (x.dim() - 2))), float("nan")) for x in (q, k, v, g, beta))
+    pads = [~mask.view(4, t, *([1] * (x.dim() - 2))) for x in (q, k, v, g, beta)]
+    q, k, v, g, beta = (x.masked_fill(p, float("nan")) for x, p in zip((q, k, v, g, beta), pads))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     o, final, varlen = chunk_gated_delta_rule(
-        q, k, v, g, beta, chunk_size=4, initial_state=h0, seq_idx=seq_idx, token_mask=mask,
+        *leaves, chunk_size=4, initial_state=h0, seq_idx=seq_idx, token_mask=mask, use_qk_l2norm=True,
         return_final_state=True, return_varlen_states=True,
     )
-    ro, rf, rv = reference_packed(q, k, v, g, beta, seq_idx=seq_idx, token_mask=mask, initial_state=h0)
+    ro, rf, rv = reference_packed(
+        q, k, v, g, beta, seq_idx=seq_idx, token_mask=mask, initial_state=h0, use_qk_l2norm=True
+    )
     m = mask[..., None, None]
     assert rel_err(torch.where(m, o, 0.0), ro) < 1e-5
     assert rel_err(final, rf) < 1e-5 and rel_err(varlen, rv) < 1e-5
+    (torch.where(m, o, 0.0).sum() + final.sum() + varlen.sum()).backward()
+    for x, p in zip(leaves, pads):
+        assert torch.isfinite(x.grad).all() and not x.grad.masked_select(p).any()  # pads get exactly 0
 
 
 def test_without_seq_idx_packed_output_differs():
@@ -246,12 +253,19 @@ def test_without_seq_idx_packed_output_differs():
     assert rel_err(f_bad, rf) > 1e-2
 
 
-def test_chunk_size_does_not_change_result():
-    seq_idx = seq_idx_from_lengths([[10, 23], [33]])
-    q, k, v, g, beta = make_inputs(2, 33, 2, 8, 4, per_channel=False, seed=29)
-    outs = [chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=cs, seq_idx=seq_idx) for cs in (1, 5, 16, 64)]
-    for o in outs[1:]:
-        assert rel_err(o, outs[0]) < 1e-5
+@pytest.mark.parametrize("per_channel", GATES)
+def test_any_chunk_size_matches_reference(per_channel):
+    """Chunk sizes 1 .. 64, including the sub-chunked per-channel path (C = 32, 48, 64) across boundaries."""
+    seq_idx = seq_idx_from_lengths([[10, 40, 20], [70]])
+    q, k, v, g, beta = make_inputs(2, 70, 2, 8, 4, per_channel=per_channel, seed=29)
+    h0 = torch.randn(2, 2, 8, 4)
+    ro, rf, rv = reference_packed(q, k, v, g, beta, seq_idx=seq_idx, initial_state=h0)
+    for cs in (1, 5, 16, 32, 48, 64):
+        o, f, vs = chunk_gated_delta_rule(
+            q, k, v, g, beta, chunk_size=cs, seq_idx=seq_idx, initial_state=h0,
+            return_final_state=True, return_varlen_states=True,
+        )
+        assert rel_err(o, ro) < 1e-5 and rel_err(f, rf) < 1e-5 and rel_err(vs, rv) < 1e-5, cs
 
 
 def test_return_conventions_and_empty_sequence():
