@@ -1,0 +1,205 @@
+"""The generic padding-correct gated-delta-rule mixer (Qwen3-Next, OLMo-Hybrid, Kimi-Linear).
+
+The three transformers 5.23 mixers share one structure::
+
+    projections(x) -> [q | k | v] -> one causal conv (SiLU) -> q, k, v per head
+    projections(x) -> beta (write strength), g (log-decay, per head or per key channel), gate
+    gated delta rule(q, k, v, g, beta)  (q/k L2-normalised) -> gated RMS norm(o, gate) -> output projection
+
+and differ only in how the projections are laid out, which a :class:`~safepad.specs.MixerSpec` declares
+through ``options``:
+
+``qkv``
+    ``"qkvz_ba"``: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` regrouped by the module's own
+    ``fix_query_key_value_ordering`` (``z`` is the output gate, ``b`` / ``a`` the beta / decay logits);
+    ``"separate"``: ``q_proj`` / ``k_proj`` / ``v_proj``.
+``beta``
+    name of the beta-logit projection (``"b_proj"``) or ``None`` (taken from the fused ``ba`` projection).
+    ``beta_scale_flag``: a boolean attribute that doubles beta (OLMo-Hybrid's ``allow_neg_eigval``).
+``decay``
+    ``"mamba"``: ``g = -exp(A_log) * softplus(a + dt_bias)`` per head, ``a`` from ``decay_proj`` (or from the
+    fused ``ba`` projection when ``decay_proj`` is ``None``); ``"module"``: ``g = getattr(self, decay_module)(x)``,
+    a per-key-channel gate ``[B, T, H, Dk]`` (Kimi Delta Attention).
+``gate``
+    a chain of projections applied to the hidden states (``("g_proj",)``, ``("g_a_proj", "g_b_proj")``), or
+    ``None`` for Qwen3-Next's ``z``.
+``norm`` / ``out``
+    attribute names of the gated RMS norm and the output projection.
+``key_dim`` / ``key_head_dim`` / ``value_head_dim``
+    attribute names of ``H_k * Dk`` / ``Dk`` / ``Dv``.
+
+Every submodule is called as a module (PEFT adapters on any projection stay active). A masked token neither
+writes nor decays: its conv input is zero, it is absent from the cached conv state, and the delta rule sees
+``beta = g = 0`` and ``k = v = 0`` there (the stock mixers write pads into the recurrent state). Shapes: ``B``
+batch, ``T`` tokens, ``H_k`` key heads, ``H`` value heads, ``Dk`` / ``Dv`` head dims, ``K`` conv width.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cache import read_states, write_states
+from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
+from .common import prepare_layout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["gated_delta_mixer_forward", "DEFAULT_CHUNK_SIZE"]
+
+#: tokens per chunk of the chunked delta rule (transformers' torch path and FLA use 64).
+DEFAULT_CHUNK_SIZE = 64
+
+
+def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """``hidden_states [B, T, C]`` -> (conv input ``[B, T, 2 * H_k * Dk + H * Dv]`` as ``[q | k | v]``,
+    Qwen3-Next's ``z [B, T, H, Dv]``, ``b [B, T, H]``, ``a [B, T, H]``; ``None`` for the others)."""
+    layout = opts.get("qkv", "separate")
+    if layout == "qkvz_ba":
+        qkvz = self.in_proj_qkvz(hidden_states)  # [B, T, 2 * H_k * Dk + 2 * H * Dv]
+        ba = self.in_proj_ba(hidden_states)  # [B, T, 2 * H]
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)  # q,k [B,T,H_k,Dk]; v,z [B,T,H,Dv]; b,a [B,T,H]
+        flat = [x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)]  # [B, T, H_k * Dk] x2, [B, T, H * Dv]
+        return torch.cat(flat, dim=-1), z, b, a
+    if layout == "separate":
+        mixed = torch.cat(
+            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
+        )  # [B, T, 2 * H_k * Dk + H * Dv]
+        return mixed, None, None, None
+    raise ValueError(f"gated-delta spec option qkv must be 'qkvz_ba' or 'separate', got {layout!r}")
+
+
+def _beta(self, opts, hidden_states: Tensor, b: Tensor | None) -> Tensor:
+    """Write strength ``beta [B, T, H]`` in ``(0, 1)`` (``(0, 2)`` with negative eigenvalues)."""
+    name = opts.get("beta")
+    logits = getattr(self, name)(hidden_states) if name else b  # [B, T, H]
+    beta = logits.sigmoid()
+    flag = opts.get("beta_scale_flag")
+    if flag and getattr(self, flag):
+        beta = beta * 2.0
+    return beta
+
+
+def _decay(self, opts, hidden_states: Tensor, a: Tensor | None) -> Tensor:
+    """Log-decay ``g``: ``[B, T, H]`` (``"mamba"``) or ``[B, T, H, Dk]`` (``"module"``), float32, ``<= 0``."""
+    kind = opts.get("decay", "mamba")
+    if kind == "mamba":
+        proj = opts.get("decay_proj")
+        logits = getattr(self, proj)(hidden_states) if proj else a  # [B, T, H]
+        return -self.A_log.float().exp() * F.softplus(logits.float() + self.dt_bias)  # [B, T, H]
+    if kind == "module":
+        return getattr(self, opts["decay_module"])(hidden_states).float()  # [B, T, H, Dk]
+    raise ValueError(f"gated-delta spec option decay must be 'mamba' or 'module', got {kind!r}")
+
+
+def _output_gate(self, opts, hidden_states: Tensor, z: Tensor | None) -> Tensor:
+    """The gate of the output norm, ``[B, T, H * Dv]`` (or ``z [B, T, H, Dv]``)."""
+    chain = opts.get("gate")
+    if not chain:
+        return z
+    gate = hidden_states
+    for name in chain:
+        gate = getattr(self, name)(gate)
+    return gate  # [B, T, H * Dv]
+
+
+def gated_delta_mixer_forward(
+    self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs
+) -> Tensor:
+    """Padding/packing-correct forward of a gated-delta-rule mixer. ``hidden_states [B, T, hidden]`` -> same."""
+    opts = self._safepad_spec.options
+    backend = self._safepad_backend
+    cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
+    hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
+    Bsz, T, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    mask = layout.mask
+    Dk = getattr(self, opts.get("key_head_dim", "head_k_dim"))
+    Dv = getattr(self, opts.get("value_head_dim", "head_v_dim"))
+
+    if mask is not None:
+        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+    mixed, z, b, a = _project_qkv(self, opts, hidden_states)  # [B, T, conv_dim]
+    conv_dim = mixed.shape[-1]
+    key_dim = getattr(self, opts.get("key_dim", "key_dim"))  # H_k * Dk
+    beta = _beta(self, opts, hidden_states, b)  # [B, T, H]
+    g = _decay(self, opts, hidden_states, a)  # [B, T, H] or [B, T, H, Dk]
+
+    weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
+    K = weight.shape[-1]
+    past = read_states(cache, self.layer_idx)
+    decode = past.has_previous and T == 1
+
+    if decode:
+        conv_t, conv_new = causal_conv1d_step(
+            mixed[:, 0], past.conv, weight, self.conv1d.bias, activation=self.activation, backend=backend
+        )  # [B, conv_dim], [B, conv_dim, K]
+        q, k, v = conv_t.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
+        state = past.recurrent
+        if state is None:
+            H = beta.shape[-1]
+            state = mixed.new_zeros(Bsz, H, Dk, Dv, dtype=torch.float32)
+        o, rec_new = gated_delta_rule_step(
+            state,
+            q.reshape(Bsz, -1, Dk),  # [B, H_k, Dk]
+            k.reshape(Bsz, -1, Dk),  # [B, H_k, Dk]
+            v.reshape(Bsz, -1, Dv),  # [B, H, Dv]
+            g[:, 0],  # [B, H] or [B, H, Dk]
+            beta[:, 0],  # [B, H]
+            use_qk_l2norm=True,
+            backend="torch" if backend == "kernels" else backend,
+        )  # [B, H, Dv], [B, H, Dk, Dv]
+        if mask is not None:  # a masked decode token leaves its row's states untouched
+            keep = mask[:, 0]
+            conv_new = torch.where(keep[:, None, None], conv_new, past.conv)
+            rec_new = torch.where(keep[:, None, None, None], rec_new, state.to(rec_new.dtype))
+        write_states(cache, self.layer_idx, conv=conv_new, recurrent=rec_new)
+        o = o[:, None]  # [B, 1, H, Dv]
+    else:
+        want_state = cache is not None
+        conv_out = causal_conv1d(
+            mixed,
+            weight,
+            self.conv1d.bias,
+            activation=self.activation,
+            seq_idx=layout.seq_idx,
+            initial_state=past.conv,
+            token_mask=mask,
+            return_final_state=want_state,
+            state_len=K,
+            backend=backend,
+        )
+        mixed, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, conv_dim], [B, conv_dim, K]
+        q, k, v = mixed.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
+        rule_out = chunk_gated_delta_rule(
+            q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
+            k.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
+            v.reshape(Bsz, T, -1, Dv),  # [B, T, H, Dv]
+            g,
+            beta,
+            chunk_size=int(opts.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+            initial_state=past.recurrent,
+            seq_idx=layout.seq_idx,
+            token_mask=mask,
+            use_qk_l2norm=True,
+            return_final_state=want_state,
+            backend=backend,
+        )
+        o, rec_final = rule_out if want_state else (rule_out, None)  # [B, T, H, Dv], [B, H, Dk, Dv]
+        if want_state:
+            write_states(cache, self.layer_idx, conv=conv_final.to(mixed.dtype), recurrent=rec_final)
+        if mask is not None:
+            o = o * mask[:, :, None, None].to(o.dtype)  # pad outputs are unspecified by the op: make them 0
+
+    gate = _output_gate(self, opts, hidden_states, z)
+    Tq = o.shape[1]
+    o = o.reshape(Bsz * Tq * o.shape[2], Dv)  # [B * T * H, Dv]
+    gate = gate.reshape(-1, Dv)  # [B * T * H, Dv]
+    y = getattr(self, opts.get("norm", "norm"))(o, gate)  # [B * T * H, Dv]
+    y = y.reshape(Bsz, Tq, -1)  # [B, T, H * Dv]
+    out = getattr(self, opts.get("out", "out_proj"))(y.to(dtype))  # [B, T, hidden]
+    return layout.restore(out)

@@ -1,0 +1,78 @@
+"""The generic padding-correct gated short-convolution mixer (LFM2).
+
+Structure (transformers 5.23 ``Lfm2ShortConv``)::
+
+    in_proj(x) -> [b | c | x'] -> causal depthwise conv(b * x') -> c * conv -> out_proj
+
+The only recurrent state is the conv state: the last ``K`` conv inputs ``b * x'`` of each row. The stock
+mixer caches the last ``K`` columns of the padded row (pads included) and lets the conv window reach across
+packed boundaries; here the conv runs on :func:`safepad.ops.conv.causal_conv1d` with ``seq_idx``, the
+token mask and the cached state, and the cached state is each row's last ``K`` *real* inputs.
+
+Spec ``options``: ``in_proj`` / ``conv`` / ``out_proj`` attribute names (defaults as in LFM2) and
+``activation`` (``None`` for LFM2). Shapes: ``B`` batch, ``T`` tokens, ``D`` hidden size, ``K`` conv width.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import Tensor
+
+from ..cache import read_states, write_states
+from ..ops.conv import causal_conv1d, causal_conv1d_step
+from .common import prepare_layout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["short_conv_mixer_forward"]
+
+
+def short_conv_mixer_forward(
+    self, hidden_states: Tensor, past_key_values=None, attention_mask: Tensor | None = None, **kwargs
+) -> Tensor:
+    """Padding/packing-correct forward of a gated short-conv mixer. ``hidden_states [B, T, D]`` -> same."""
+    opts = self._safepad_spec.options
+    backend = self._safepad_backend
+    cache = past_key_values if past_key_values is not None else kwargs.pop("cache_params", None)
+    hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
+    Bsz, T, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    mask = layout.mask
+    activation = opts.get("activation")
+    conv = getattr(self, opts.get("conv", "conv"))
+
+    if mask is not None:
+        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+    bcx = getattr(self, opts.get("in_proj", "in_proj"))(hidden_states)  # [B, T, 3 * D]
+    b, c, x = bcx.chunk(3, dim=-1)  # [B, T, D] each
+    u = b * x  # [B, T, D] conv input
+    weight = conv.weight.squeeze(1)  # [D, K]
+    K = weight.shape[-1]
+    past = read_states(cache, self.layer_idx, recurrent=False)
+
+    if past.has_previous and T == 1:
+        y, conv_new = causal_conv1d_step(u[:, 0], past.conv, weight, conv.bias, activation=activation, backend=backend)
+        if mask is not None:  # a masked decode token leaves its row's state untouched
+            conv_new = conv_new.where(mask[:, 0, None, None], past.conv)
+        write_states(cache, self.layer_idx, conv=conv_new)
+        y = y[:, None]  # [B, 1, D]
+    else:
+        want_state = cache is not None
+        conv_out = causal_conv1d(
+            u,
+            weight,
+            conv.bias,
+            activation=activation,
+            seq_idx=layout.seq_idx,
+            initial_state=past.conv,
+            token_mask=mask,
+            return_final_state=want_state,
+            state_len=K,
+            backend=backend,
+        )
+        y, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, D], [B, D, K]
+        if want_state:
+            write_states(cache, self.layer_idx, conv=conv_final.to(u.dtype))
+    out = getattr(self, opts.get("out_proj", "out_proj"))((c * y).to(dtype))  # [B, T, D]
+    return layout.restore(out)
