@@ -145,14 +145,17 @@ class DataCollatorForPackedSSM:
 
     Extra fields: a key is *per-token* when it is listed in :data:`PER_TOKEN_KEYS` or
     ``per_token_keys`` (its length must then match ``input_ids``), or, for any other key, when it
-    is 1-D with the length of ``input_ids`` in every feature of the batch. Per-token fields are
+    is 1-D, numeric and has the length of ``input_ids`` in every feature of the batch. Per-token fields are
     concatenated like ``input_ids`` and filled with 0 on the pad tail. Every other array/tensor is
-    *per-example* and concatenated along dim 0 in packing order: a VLM's ``pixel_values``
-    ``[n_i, C, H, W]`` become ``[sum_i n_i, C, H, W]`` and ``image_sizes`` ``[n_i, 2]`` become
-    ``[sum_i n_i, 2]``; Python scalars become a ``[num_features]`` tensor; strings are passed
-    through as a list. A VLM such as Nemotron-H Omni scatters image embeddings into the positions
-    of its image placeholder tokens in token order, so concatenating images in the same order
-    as the sequences keeps every image attached to its own sequence.
+    *per-example* and concatenated along dim 0 in packing order; Python scalars become a
+    ``[num_features]`` tensor; strings are passed through as a list.
+
+    VLMs (e.g. Nemotron-H Omni): ``pixel_values`` ``[patches_i, C*p*p]`` become
+    ``[sum_i patches_i, C*p*p]`` and ``image_grid_hw`` ``[n_i, 2]`` become ``[sum_i n_i, 2]`` (audio
+    ``input_features`` ``[n_i, frames, mel]`` likewise, with a shared padded ``frames``). The model
+    scatters image embeddings into its image placeholder tokens in token order, so concatenating
+    the media in the same order as the sequences keeps every image attached to its own sequence;
+    ``seq_idx`` / ``cu_seq_lens`` keep the states apart. See collators/README.md for the caveats.
 
     Statistics accumulate in :attr:`stats` (:class:`CollatorStats`).
     """
@@ -217,9 +220,7 @@ class DataCollatorForPackedSSM:
             from_pos = np.diff(np.append(starts, n))  # [k]
             expected = np.arange(n) - np.repeat(starts, from_pos)  # [n]
             if not np.array_equal(pos, expected):
-                raise ValueError(
-                    f"feature {index}: position_ids must count 0, 1, 2, ... and restart at 0 per sequence"
-                )
+                raise ValueError(f"feature {index}: position_ids must count 0, 1, 2, ... and restart at 0 per sequence")
             if lengths is not None and not np.array_equal(lengths, from_pos):
                 raise ValueError(
                     f"feature {index}: seq_lengths {lengths.tolist()} disagree with the restarts of position_ids "
@@ -251,7 +252,10 @@ class DataCollatorForPackedSSM:
             elif k in self.per_example_keys:
                 per_example.append(k)
             else:
-                is_tok = all(np.ndim(f[k]) == 1 and len(f[k]) == n for f, n in zip(features, lengths))
+                is_tok = all(
+                    np.ndim(f[k]) == 1 and len(f[k]) == n and _as_array(f[k]).dtype.kind in "iufb"
+                    for f, n in zip(features, lengths)
+                )
                 (per_token if is_tok else per_example).append(k)
         return per_token, per_example
 
@@ -394,8 +398,7 @@ class DataCollatorForPackedSSM:
                 return torch.cat(vals, dim=0)  # [sum_i n_i, ...]
             except RuntimeError as e:
                 raise ValueError(
-                    f"per-example field {key!r} cannot be concatenated along dim 0 across features "
-                    f"{indices}: {e}"
+                    f"per-example field {key!r} cannot be concatenated along dim 0 across features {indices}: {e}"
                 ) from e
         arrs = [np.atleast_1d(_as_array(v)) for v in values]
         if arrs[0].dtype == object:

@@ -6,9 +6,11 @@ rows to :class:`~collators.DataCollatorForPackedSSM`, which turns them into ``se
 ``cu_seq_lens`` / ``position_ids`` without ever letting one sequence see another.
 
 Best-fit-decreasing (BFD) runs as one Python loop over the sorted lengths whose per-item work is a
-C-level ``bisect`` over the sorted distinct free spaces of the open bins (at most ``max_length``
-values), so it is O(n log n) for the sort plus O(n log max_length) for the loop; everything else
-(splitting, truncating, gathering tokens, building the Arrow columns) is vectorised numpy / pyarrow.
+C-level ``bisect`` (O(log k)) plus, when a new free-space value appears, a C-level ``insort``
+(a memmove of at most k pointers) over the sorted distinct free spaces of the open bins, where
+k <= max_length. TRL's segment tree does O(log max_length) *Python* steps per item instead. The sort
+is O(n log n); everything else (splitting, truncating, gathering tokens, building the Arrow columns)
+is vectorised numpy / pyarrow.
 """
 
 from __future__ import annotations
@@ -134,6 +136,20 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _repeat_positive(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``np.repeat(values, counts)`` for strictly positive ``counts`` ``[S]``, via one cumsum: ``[sum(counts)]``.
+
+    Faster than ``np.repeat`` with a count array for long outputs of short runs.
+    """
+    total = int(counts.sum())
+    out = np.zeros(total, dtype=np.int64)  # [T]
+    if total:
+        steps = np.diff(values.astype(np.int64), prepend=0)  # [S] change at every run start
+        out[_exclusive_cumsum(counts)] = steps
+        np.cumsum(out, out=out)
+    return out
+
+
 @dataclass
 class _Plan:
     """Where every output token comes from: ``src[T]`` indexes the flat input tokens."""
@@ -162,13 +178,14 @@ def _plan(lengths: np.ndarray, max_length: int, strategy: str, overflow: str) ->
         order, row_nseq = bfd_assign(frag_len, max_length)
         out_start, out_len = frag_start[order], frag_len[order]  # [S]
         total = int(out_len.sum())
-        src = np.arange(total, dtype=np.int64) + np.repeat(out_start - _exclusive_cumsum(out_len), out_len)  # [T]
+        shift = _repeat_positive(out_start - _exclusive_cumsum(out_len), out_len)  # [T]
+        src = np.arange(total, dtype=np.int64) + shift  # [T] flat input index of every output token
         row_ntok = np.add.reduceat(out_len, _exclusive_cumsum(row_nseq)) if row_nseq.size else row_nseq
         return _Plan(src, out_len, row_nseq, row_ntok)
 
     # wrapped: pieces back to back, cut every max_length tokens (a cut also ends a sequence)
     total = int(frag_len.sum())
-    src = np.arange(total, dtype=np.int64) + np.repeat(frag_start - _exclusive_cumsum(frag_len), frag_len)  # [T]
+    src = np.arange(total, dtype=np.int64) + _repeat_positive(frag_start - _exclusive_cumsum(frag_len), frag_len)  # [T]
     cuts = np.union1d(_exclusive_cumsum(frag_len), np.arange(0, total, max_length))  # [S] sequence starts
     cuts = cuts[cuts < total]
     seq_lengths = np.diff(np.append(cuts, total))  # [S]
@@ -198,9 +215,8 @@ def _build_table(
         out[name] = _list_array(tok_off, pc.take(flat, src), large.get(name, False))
     out["seq_lengths"] = _list_array(seq_off, pa.array(plan.seq_lengths.astype(np.int32)))
     if emit_position_ids:
-        pos = np.arange(plan.src.shape[0], dtype=np.int64) - np.repeat(
-            _exclusive_cumsum(plan.seq_lengths), plan.seq_lengths
-        )  # [T]
+        pos = np.arange(plan.src.shape[0], dtype=np.int64)  # [T]
+        pos -= _repeat_positive(_exclusive_cumsum(plan.seq_lengths), plan.seq_lengths)
         out["position_ids"] = _list_array(tok_off, pa.array(pos.astype(np.int32)))
     return pa.table(out)
 
@@ -246,8 +262,9 @@ def _is_token_list_type(t: pa.DataType) -> bool:
     return pa.types.is_integer(v) or pa.types.is_floating(v) or pa.types.is_boolean(v)
 
 
-def _length_checks(lengths: np.ndarray, max_length: int, overflow: str, on_empty: str, stats: PackingStats,
-                   offset: int = 0) -> None:
+def _length_checks(
+    lengths: np.ndarray, max_length: int, overflow: str, on_empty: str, stats: PackingStats, offset: int = 0
+) -> None:
     """Apply on_empty / overflow policies to a block of example lengths ``[n]``; update ``stats``."""
     empty = lengths == 0
     if on_empty == "error" and empty.any():
@@ -342,16 +359,30 @@ def pack_dataset(
         packed, stats = {}, {}
         for split, ds in dataset.items():
             packed[split], stats[split] = pack_dataset(
-                ds, max_length, strategy=strategy, overflow=overflow, on_empty=on_empty,
-                emit_position_ids=emit_position_ids, batch_size=batch_size, num_proc=num_proc,
-                buffer_size=buffer_size, return_stats=True, map_kwargs=map_kwargs,
+                ds,
+                max_length,
+                strategy=strategy,
+                overflow=overflow,
+                on_empty=on_empty,
+                emit_position_ids=emit_position_ids,
+                batch_size=batch_size,
+                num_proc=num_proc,
+                buffer_size=buffer_size,
+                return_stats=True,
+                map_kwargs=map_kwargs,
             )
         out = datasets.DatasetDict(packed)
         return (out, stats) if return_stats else out
     if isinstance(dataset, datasets.IterableDataset):
         return _pack_iterable(
-            dataset, max_length, strategy=strategy, overflow=overflow, on_empty=on_empty,
-            emit_position_ids=emit_position_ids, buffer_size=buffer_size, return_stats=return_stats,
+            dataset,
+            max_length,
+            strategy=strategy,
+            overflow=overflow,
+            on_empty=on_empty,
+            emit_position_ids=emit_position_ids,
+            buffer_size=buffer_size,
+            return_stats=return_stats,
         )
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(
@@ -393,12 +424,15 @@ def pack_dataset(
         else:
             dropped.append(name)
     if dropped:
-        logger.info("pack_dataset: dropping columns %s (not per-token; packed rows keep only per-token columns)",
-                    dropped)
+        logger.info(
+            "pack_dataset: dropping columns %s (not per-token; packed rows keep only per-token columns)", dropped
+        )
     if stats.tokens_dropped:
         logger.warning(
             "pack_dataset: %d examples longer than max_length=%d were truncated; %d tokens dropped",
-            stats.examples_truncated, max_length, stats.tokens_dropped,
+            stats.examples_truncated,
+            max_length,
+            stats.tokens_dropped,
         )
 
     kwargs = dict(map_kwargs or {})
@@ -450,8 +484,17 @@ def _pack_iterable(
 class _StreamPacker:
     """Online packing: BFD over a buffer of examples; the least filled row waits for the next round."""
 
-    def __init__(self, source: Any, max_length: int, strategy: str, overflow: str, on_empty: str,
-                 emit_position_ids: bool, buffer_size: int, stats: PackingStats) -> None:
+    def __init__(
+        self,
+        source: Any,
+        max_length: int,
+        strategy: str,
+        overflow: str,
+        on_empty: str,
+        emit_position_ids: bool,
+        buffer_size: int,
+        stats: PackingStats,
+    ) -> None:
         self.source = source
         self.max_length = max_length
         self.strategy = strategy
@@ -498,12 +541,17 @@ class _StreamPacker:
             if self.stats.tokens_dropped > before and not warned:
                 logger.warning(
                     "pack_dataset (streaming): example %d has %d tokens > max_length=%d; truncating (the total "
-                    "is counted in PackingStats.tokens_dropped)", i, n, self.max_length,
+                    "is counted in PackingStats.tokens_dropped)",
+                    i,
+                    n,
+                    self.max_length,
                 )
                 warned = True
             if n == 0:
                 continue
             for c in cols:
+                if c not in ex:
+                    raise ValueError(f"example {i} lacks the per-token column {c!r} that example 0 has")
                 v = np.asarray(ex[c])
                 if v.shape != (n,):
                     raise ValueError(
@@ -519,7 +567,8 @@ class _StreamPacker:
         if self.stats.tokens_dropped:
             logger.warning(
                 "pack_dataset (streaming): %d examples truncated, %d tokens dropped",
-                self.stats.examples_truncated, self.stats.tokens_dropped,
+                self.stats.examples_truncated,
+                self.stats.tokens_dropped,
             )
 
     def _flush(self, buf: dict[str, list[np.ndarray]], final: bool) -> Iterator[dict[str, Any]]:
@@ -540,18 +589,19 @@ class _StreamPacker:
         for r in range(n_rows):
             lo, hi = int(tok_off[r]), int(tok_off[r + 1])
             src = plan.src[lo:hi]  # [n_r]
-            lens = plan.seq_lengths[seq_off[r]:seq_off[r + 1]]
+            lens = plan.seq_lengths[seq_off[r] : seq_off[r + 1]]
             if r == hold:
-                for s, length in zip(seq_start[seq_off[r]:seq_off[r + 1]], lens):
-                    piece = plan.src[s:s + length]
+                for s, length in zip(seq_start[seq_off[r] : seq_off[r + 1]], lens):
+                    piece = plan.src[s : s + length]
                     for c in buf:
                         buf[c].append(flat[c][piece])
                 continue
             row = {c: flat[c][src].tolist() for c in flat}
             row["seq_lengths"] = lens.tolist()
             if self.emit_position_ids:
-                row["position_ids"] = (np.arange(hi - lo) - np.repeat(seq_start[seq_off[r]:seq_off[r + 1]] - lo,
-                                                                       lens)).tolist()
+                row["position_ids"] = (
+                    np.arange(hi - lo) - np.repeat(seq_start[seq_off[r] : seq_off[r + 1]] - lo, lens)
+                ).tolist()
             self.stats.rows += 1
             self.stats.sequences += int(lens.shape[0])
             self.stats.tokens += hi - lo

@@ -34,7 +34,7 @@ def _random_features(rng: np.random.Generator, n: int, *, labels: bool, packed: 
         feats.append(f)
         off = 0
         for length in lens:
-            seqs.append((ids[off:off + length], (lab if labels else ids)[off:off + length]))
+            seqs.append((ids[off : off + length], (lab if labels else ids)[off : off + length]))
             off += length
     return feats, seqs, nxt
 
@@ -130,10 +130,20 @@ def test_max_tokens_guard():
 
 def test_extra_fields_per_token_and_per_example():
     feats = [
-        {"input_ids": [1, 2, 3], "token_type_ids": [0, 1, 1], "pixel_values": torch.ones(2, 3, 4, 4),
-         "image_sizes": torch.tensor([[4, 4], [4, 4]]), "mystery": [7, 7, 7]},
-        {"input_ids": [4, 5], "token_type_ids": [1, 0], "pixel_values": torch.zeros(1, 3, 4, 4),
-         "image_sizes": torch.tensor([[2, 2]]), "mystery": [8, 8]},
+        {
+            "input_ids": [1, 2, 3],
+            "token_type_ids": [0, 1, 1],
+            "pixel_values": torch.ones(2, 3, 4, 4),
+            "image_sizes": torch.tensor([[4, 4], [4, 4]]),
+            "mystery": [7, 7, 7],
+        },
+        {
+            "input_ids": [4, 5],
+            "token_type_ids": [1, 0],
+            "pixel_values": torch.zeros(1, 3, 4, 4),
+            "image_sizes": torch.tensor([[2, 2]]),
+            "mystery": [8, 8],
+        },
     ]
     out = DataCollatorForPackedSSM(pad_to_multiple_of=8)(feats)
     assert out["token_type_ids"].tolist() == [[0, 1, 1, 1, 0, 0, 0, 0]]
@@ -169,32 +179,56 @@ def test_stats_and_skip_empty():
     "features, match",
     [
         pytest.param([{"input_ids": [1]}, {"input_ids": []}], r"feature 1: input_ids is empty", id="empty"),
-        pytest.param([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [1, 2], "labels": [1]}],
-                     r"feature 1: labels has 1 entries", id="labels-length"),
-        pytest.param([{"input_ids": [1]}, {"input_ids": [1.5, 2.0]}], r"feature 1: 'input_ids' must hold integers",
-                     id="float-ids"),
-        pytest.param([{"input_ids": torch.tensor([1.0])}], r"feature 0: 'input_ids' must hold integer ids",
-                     id="float-tensor"),
-        pytest.param([{"input_ids": [1]}, {"input_ids": ["a"]}], r"feature 1: 'input_ids' must hold integers",
-                     id="string-ids"),
+        pytest.param(
+            [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [1, 2], "labels": [1]}],
+            r"feature 1: labels has 1 entries",
+            id="labels-length",
+        ),
+        pytest.param(
+            [{"input_ids": [1]}, {"input_ids": [1.5, 2.0]}],
+            r"feature 1: 'input_ids' must hold integers",
+            id="float-ids",
+        ),
+        pytest.param(
+            [{"input_ids": torch.tensor([1.0])}], r"feature 0: 'input_ids' must hold integer ids", id="float-tensor"
+        ),
+        pytest.param(
+            [{"input_ids": [1]}, {"input_ids": ["a"]}], r"feature 1: 'input_ids' must hold integers", id="string-ids"
+        ),
         pytest.param([{"input_ids": [True, False]}], r"feature 0: 'input_ids' must hold integers", id="bool-ids"),
-        pytest.param([{"input_ids": [1, 2, 3], "seq_lengths": [1, 1]}, {"input_ids": [1, 2], "seq_lengths": [1, 2]}],
-                     r"feature 0: seq_lengths add up to 2 but input_ids has 3", id="seq-lengths-sum"),
-        pytest.param([{"input_ids": [1], "labels": [1]}, {"input_ids": [1]}], r"feature 1 lacks labels",
-                     id="mixed-labels"),
-        pytest.param([{"input_ids": [1]}, {"input_ids": [2], "labels": [2]}], r"feature 1 has labels",
-                     id="mixed-labels-2"),
-        pytest.param([{"input_ids": [1, 2, 3], "seq_lengths": [2, 1], "position_ids": [0, 1, 2]}],
-                     r"feature 0: seq_lengths \[2, 1\] disagree", id="seq-lengths-vs-positions"),
-        pytest.param([{"input_ids": [1, 2], "position_ids": [1, 2]}], r"feature 0: position_ids must start at 0",
-                     id="positions-not-from-0"),
-        pytest.param([{"input_ids": [1, 2], "attention_mask": [1, 0]}], r"feature 0: attention_mask contains zeros",
-                     id="padded-feature"),
-        pytest.param([{"input_ids": [1, 2], "token_type_ids": [0]}], r"feature 0: per-token field 'token_type_ids'",
-                     id="per-token-length"),
+        pytest.param(
+            [{"input_ids": [1, 2, 3], "seq_lengths": [1, 1]}, {"input_ids": [1, 2], "seq_lengths": [1, 2]}],
+            r"feature 0: seq_lengths add up to 2 but input_ids has 3",
+            id="seq-lengths-sum",
+        ),
+        pytest.param(
+            [{"input_ids": [1], "labels": [1]}, {"input_ids": [1]}], r"feature 1 lacks labels", id="mixed-labels"
+        ),
+        pytest.param(
+            [{"input_ids": [1]}, {"input_ids": [2], "labels": [2]}], r"feature 1 has labels", id="mixed-labels-2"
+        ),
+        pytest.param(
+            [{"input_ids": [1, 2, 3], "seq_lengths": [2, 1], "position_ids": [0, 1, 2]}],
+            r"feature 0: seq_lengths \[2, 1\] disagree",
+            id="seq-lengths-vs-positions",
+        ),
+        pytest.param(
+            [{"input_ids": [1, 2], "position_ids": [1, 2]}],
+            r"feature 0: position_ids must start at 0",
+            id="positions-not-from-0",
+        ),
+        pytest.param(
+            [{"input_ids": [1, 2], "attention_mask": [1, 0]}],
+            r"feature 0: attention_mask contains zeros",
+            id="padded-feature",
+        ),
+        pytest.param(
+            [{"input_ids": [1, 2], "token_type_ids": [0]}],
+            r"feature 0: per-token field 'token_type_ids'",
+            id="per-token-length",
+        ),
         pytest.param([{"input_ids": [[1, 2]]}], r"feature 0: 'input_ids' must be 1-D", id="2d-ids"),
-        pytest.param([{"input_ids": [1], "seq_idx": [0]}], r"feature 0 already carries \['seq_idx'\]",
-                     id="layout-key"),
+        pytest.param([{"input_ids": [1], "seq_idx": [0]}], r"feature 0 already carries \['seq_idx'\]", id="layout-key"),
         pytest.param([], r"non-empty list", id="no-features"),
     ],
 )

@@ -58,17 +58,19 @@ def _dataset(rng: np.random.Generator, n: int, max_len: int, *, empty: float = 0
 
 
 def _sequences(packed) -> list[tuple[int, ...]]:
-    rows = packed[:] if isinstance(packed, datasets.Dataset) else {
-        k: [r[k] for r in packed] for k in ("input_ids", "labels", "seq_lengths", "position_ids")
-    }
+    rows = (
+        packed[:]
+        if isinstance(packed, datasets.Dataset)
+        else {k: [r[k] for r in packed] for k in ("input_ids", "labels", "seq_lengths", "position_ids")}
+    )
     seqs = []
     for ids, labels, lens, pos in zip(rows["input_ids"], rows["labels"], rows["seq_lengths"], rows["position_ids"]):
         assert sum(lens) == len(ids) == len(labels) == len(pos)
         off = 0
         for length in lens:
-            piece = ids[off:off + length]
-            assert labels[off:off + length] == [-x for x in piece]  # per-token column packed alongside
-            assert pos[off:off + length] == list(range(length))
+            piece = ids[off : off + length]
+            assert labels[off : off + length] == [-x for x in piece]  # per-token column packed alongside
+            assert pos[off : off + length] == list(range(length))
             assert piece == list(range(piece[0], piece[0] + length))  # in order within its sequence
             seqs.append(tuple(piece))
             off += length

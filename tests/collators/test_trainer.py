@@ -33,8 +33,14 @@ class _Recorder:
 def _tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config)
 
@@ -54,8 +60,15 @@ def test_trainer_with_packed_rows_keeps_boundaries(examples, tmp_path):
     originals = {tuple(r) for r in examples["input_ids"]}
     recorder = _Recorder(DataCollatorForPackedSSM(pad_to_multiple_of=16, pad_token_id=VOCAB - 1))
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=3, learning_rate=1e-3,
-        report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=3,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        dataloader_num_workers=0,
     )
     assert args.remove_unused_columns  # the default: Trainer drops seq_lengths before collation
     trainer = Trainer(model=_tiny_llama(), args=args, train_dataset=packed, data_collator=recorder)
