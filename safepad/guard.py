@@ -103,6 +103,18 @@ def _owns_conv1d(module: nn.Module) -> bool:
     return False
 
 
+def _is_mixer(module: nn.Module) -> bool:
+    name = type(module).__name__
+    if getattr(type(module), "_safepad_original_class", None) is not None:  # a class patched by safepad.wrap
+        name = type(module)._safepad_original_class.__name__
+    return bool((_MIXER_NAME.search(name) and _owns_conv1d(module)) or _LINEAR_ATTENTION_NAME.search(name))
+
+
+def _mixer_modules(model: nn.Module) -> list[nn.Module]:
+    """The recurrent mixer modules of ``model`` (see :func:`find_ssm_layers`)."""
+    return [m for m in model.modules() if _is_mixer(m)]
+
+
 @dataclass(frozen=True)
 class SSMInfo:
     """What :func:`find_ssm_layers` found: the family name and the recurrent mixer classes."""
@@ -131,10 +143,9 @@ def find_ssm_layers(model: nn.Module) -> SSMInfo | None:
     config = _config_of(model)
     model_type = str(getattr(config, "model_type", None) or type(model).__name__)
     classes: dict[str, int] = {}
-    for module in model.modules():
-        name = type(module).__name__
-        if (_MIXER_NAME.search(name) and _owns_conv1d(module)) or _LINEAR_ATTENTION_NAME.search(name):
-            classes[name] = classes.get(name, 0) + 1
+    for module in _mixer_modules(model):
+        cls = getattr(type(module), "_safepad_original_class", None) or type(module)
+        classes[cls.__name__] = classes.get(cls.__name__, 0) + 1
     if classes:
         return SSMInfo(model_type, tuple(sorted(classes)), sum(classes.values()))
     layer_types = getattr(config, "layer_types", None)
@@ -226,6 +237,9 @@ class GuardHandle:
         self.warned: set[str] = set()
         self._stats = {True: _Stats(), False: _Stats()}
         self._wrap_module: Any = _wrap_api(required=False)
+        self._mixers = _mixer_modules(model) if info is not None else []
+        self._wrapped_key: tuple[type, ...] | None = None
+        self._wrapped = False
         self._positional = [
             p.name
             for p in inspect.signature(model.forward).parameters.values()
@@ -271,8 +285,22 @@ class GuardHandle:
         return out
 
     def is_wrapped(self) -> bool:
-        """Whether :func:`safepad.wrap` has made the model safe (False while ``safepad.wrap`` does not exist)."""
-        return self._wrap_module is not None and bool(self._wrap_module.is_wrapped(self.model))
+        """Whether :func:`safepad.wrap` has made the model safe (False while ``safepad.wrap`` does not exist).
+
+        With mixer modules found at install time, every one of them must be wrapped (a model where wrap
+        patched only some mixers is still unsafe); the answer is cached on the tuple of their classes, which
+        ``wrap`` / ``unwrap`` change. Otherwise ``safepad.wrap.is_wrapped(model)`` decides.
+        """
+        wrap_module = self._wrap_module
+        if wrap_module is None:
+            return False
+        if not self._mixers:
+            return bool(wrap_module.is_wrapped(self.model))
+        key = tuple(type(m) for m in self._mixers)
+        if key != self._wrapped_key:
+            self._wrapped_key = key
+            self._wrapped = all(bool(wrap_module.is_wrapped(m)) for m in self._mixers)
+        return self._wrapped
 
     # ----------------------------------------------------------------------------------------- hook
     def _get(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -375,10 +403,10 @@ class GuardHandle:
         if values[_HOLE_ROWS]:
             found.append((KIND_HOLES, _holes_message(mask, info)))
         if found:
-            self._report(found)
+            return self._report(found, module, args, kwargs)
         return None
 
-    def _report(self, found: list[tuple[str, str]]) -> None:
+    def _report(self, found: list[tuple[str, str]], module: nn.Module, args: tuple, kwargs: dict) -> Any:
         for kind, _ in found:
             self.detections[kind] = self.detections.get(kind, 0) + 1
         if self.mode == "error":
@@ -389,10 +417,16 @@ class GuardHandle:
                 if kind not in self.warned:
                     self.warned.add(kind)
                     warnings.warn(PaddingWarning(msg, kind), stacklevel=4)
-            return
-        self._fix(found)
+            return None
+        return self._fix(found, module, args, kwargs)
 
-    def _fix(self, found: list[tuple[str, str]]) -> None:
+    def _fix(self, found: list[tuple[str, str]], module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Wrap the model, then run the pre-hooks that wrap added to it on this call's arguments.
+
+        torch snapshots a module's pre-hooks before calling them, so hooks registered by ``wrap`` from inside
+        this hook would otherwise miss the current call (while its forward hooks, read after the forward,
+        would not). Returns the ``(args, kwargs)`` the forward proceeds with.
+        """
         kind_names = tuple(kind for kind, _ in found)
         kinds = ", ".join(kind_names)
         try:
@@ -405,6 +439,7 @@ class GuardHandle:
             ) from exc
         model = self.model
         cls, forward = type(model), model.__dict__.get("forward")
+        hooks_before = set(model._forward_pre_hooks)
         try:
             result = wrap_module.wrap(model)
         except UnsupportedModelError as exc:
@@ -420,11 +455,23 @@ class GuardHandle:
                 kinds=kind_names,
             )
         self._wrap_module = wrap_module
+        for hook_id, hook in list(model._forward_pre_hooks.items()):
+            if hook_id in hooks_before:
+                continue
+            if hook_id in model._forward_pre_hooks_with_kwargs:
+                result = hook(module, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+            else:
+                result = hook(module, args)
+                if result is not None:
+                    args = result if isinstance(result, tuple) else (result,)
         logger.warning(
             "safepad guard (mode='fix'): wrapped %s with safepad.wrap before a forward with %s; continuing.",
             self.info.describe() if self.info is not None else type(model).__name__,
             kinds,
         )
+        return args, kwargs
 
 
 def _summarize(
