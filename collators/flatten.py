@@ -61,7 +61,7 @@ class CollatorStats:
     real_tokens: int = 0
     pad_tokens: int = 0
     examples_skipped: int = 0
-    skipped_indices: list[int] = field(default_factory=list, repr=False)
+    last_skipped: list[int] = field(default_factory=list, repr=False)  # feature indices skipped in the last batch
 
     @property
     def fill_ratio(self) -> float:
@@ -271,6 +271,7 @@ class DataCollatorForPackedSSM:
             raise ValueError("features must be a non-empty list of dicts (what a DataLoader yields per batch)")
 
         has_labels = "labels" in features[0]
+        skipped: list[int] = []
         ids: list[np.ndarray] = []
         labs: list[np.ndarray] = []
         seq_lens: list[np.ndarray] = []
@@ -304,8 +305,7 @@ class DataCollatorForPackedSSM:
                     raise ValueError(
                         f"feature {i}: input_ids is empty; filter empty examples out or pass on_empty='skip'"
                     )
-                self.stats.examples_skipped += 1
-                self.stats.skipped_indices.append(i)
+                skipped.append(i)
                 continue
             ids.append(x)
             if has_labels:
@@ -382,6 +382,8 @@ class DataCollatorForPackedSSM:
         batch["max_length_q"] = batch["max_length_k"] = max_len
 
         self.stats.batches += 1
+        self.stats.examples_skipped += len(skipped)
+        self.stats.last_skipped = skipped
         self.stats.sequences += n_seq - (1 if pad else 0)
         self.stats.real_tokens += real
         self.stats.pad_tokens += pad

@@ -171,7 +171,7 @@ def test_stats_and_skip_empty():
     collator = DataCollatorForPackedSSM(on_empty="skip", pad_to_multiple_of=4)
     out = collator([{"input_ids": [1, 2, 3]}, {"input_ids": []}, {"input_ids": [4]}])
     assert out["input_ids"].tolist() == [[1, 2, 3, 4]]
-    assert collator.stats.examples_skipped == 1 and collator.stats.skipped_indices == [1]
+    assert collator.stats.examples_skipped == 1 and collator.stats.last_skipped == [1]
     assert collator.stats.sequences == 2 and collator.stats.real_tokens == 4 and collator.stats.fill_ratio == 1.0
 
 
