@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -218,7 +219,7 @@ def run(
         parser.error("--tol: must be > 0")
     fn = _resolve_wrap(args, parser, wrap_fn)
     model, label = _load_model(args, parser)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # no 80-column wrap in logs and pipes
     total = len(names) * (1 if fn is None else 2)
     with Progress(
         TextColumn("{task.description}"),
