@@ -233,6 +233,7 @@ class GuardHandle:
         self.mode = mode
         self.info = info
         self.collect_stats = collect_stats
+        self.installed_by: str | None = None  # e.g. "PaddingGuardCallback"; None for a direct guard() call
         self.detections: dict[str, int] = {}
         self.warned: set[str] = set()
         self._stats = {True: _Stats(), False: _Stats()}
@@ -455,6 +456,13 @@ class GuardHandle:
                 kinds=kind_names,
             )
         self._wrap_module = wrap_module
+        if not self.is_wrapped():
+            left = sorted({type(m).__name__ for m in self._mixers if not wrap_module.is_wrapped(m)})
+            raise PaddingError(
+                f"mode='fix': safepad.wrap left these recurrent mixers unpatched: {', '.join(left)}; they would "
+                "still compute this forward wrong.\n" + "\n".join(msg for _, msg in found),
+                kinds=kind_names,
+            )
         for hook_id, hook in list(model._forward_pre_hooks.items()):
             if hook_id in hooks_before:
                 continue

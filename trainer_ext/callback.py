@@ -49,8 +49,12 @@ class PaddingGuardCallback(TrainerCallback):
     ``on_log`` before user callbacks, so they do not see these keys; ``ProgressCallback`` / ``PrinterCallback``
     and callbacks added after this one do.
 
-    The right-padding tokenizer check only warns (whatever the mode): training on right-padded rows without a
-    cache is correct; it is generation / evaluation with a cache that goes wrong, which the guard catches.
+    The right-padding tokenizer check only warns, in modes "warn" and "error" (in "fix" mode the guard wraps
+    the model before any forward that needs it): training on right-padded rows without a cache is correct; it
+    is generation / evaluation with a cache that goes wrong, which the guard catches.
+
+    A guard the user installed with :func:`safepad.guard` is reused (and left in place at train end); one
+    left behind by an earlier run of this callback that raised is replaced.
     """
 
     def __init__(self, mode: str = "warn", log_stats: bool = True) -> None:
@@ -65,13 +69,18 @@ class PaddingGuardCallback(TrainerCallback):
         if model is None:
             raise ValueError("PaddingGuardCallback needs the Trainer to pass `model` to on_train_begin")
         existing = get_guard(model)
+        if existing is not None and existing.installed_by == type(self).__name__:
+            # left behind by a run that raised before on_train_end (e.g. mode="error"): replace it
+            existing.remove()
+            existing = None
         if existing is not None:
-            logger.info("PaddingGuardCallback: reusing the safepad guard already installed on the model")
+            logger.info("PaddingGuardCallback: reusing the safepad guard installed on the model by the user")
             self.handle, self._owns_handle = existing, False
         else:
             self.handle, self._owns_handle = guard(model, self.mode, collect_stats=self.log_stats), True
-        if self.handle.info is None or self.handle.is_wrapped():
-            return
+            self.handle.installed_by = type(self).__name__
+        if self.handle.info is None or self.handle.mode == "fix" or self.handle.is_wrapped():
+            return  # nothing to warn about, or the guard wraps the model before any forward that needs it
         tokenizer = processing_class if processing_class is not None else kwargs.get("tokenizer")
         if _padding_side(tokenizer) == "right":
             msg = (

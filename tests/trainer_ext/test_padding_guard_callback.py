@@ -249,3 +249,19 @@ def test_fix_mode_wraps_before_the_first_forward(tmp_path):
         ref = torch.cat([stock(input_ids=ids[:, a:b]).logits for a, b in zip(starts[:-1], starts[1:])], 1)
     # the first training forward already ran wrapped: per-sequence logits (dropout-free model, train mode)
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_stale_callback_guard_is_replaced_user_guard_is_kept(tmp_path):
+    from safepad.guard import guard
+
+    model = make_model()
+    with pytest.raises(PaddingError):  # raises before on_train_end: the guard stays on the model
+        run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="error"), model=model)
+    assert get_guard(model) is not None
+    trainer, warned = run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="warn"), model=model)
+    assert [w.message.kind for w in warned] == [KIND_PACKED] and get_guard(model) is None
+    user = guard(model, "error")
+    with pytest.raises(PaddingError):  # the user's guard (mode="error") is reused, not replaced
+        run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="warn"), model=model)
+    assert get_guard(model) is user
+    user.remove()
