@@ -133,18 +133,27 @@ def _ssd_chunked(
     xw = xw.transpose(-1, -2).reshape(b, c, G, k * P, Q)  # [b, c, G, kP, Q]
     states = torch.matmul(xw, Bg).view(b, c, H, P, N)  # [b, c, H, P, N]
 
-    # 3. across chunks: carry the state, dropping it where the sequence changes
-    carry = _exp(last.squeeze(-1))  # [b, c, H] total decay of each chunk
+    # 3. across chunks: the state entering chunk z (z = c: the final state) is a decayed sum over the
+    #    states left by earlier chunks of the same sequence (e = 0 is the initial state, e = c' + 1 is
+    #    chunk c'): W[z, e] = exp(sum of the log-decays of chunks e..z-1) for e <= z and the same
+    #    sequence. The sums are taken directly (masked cumsum), not as differences of one long cumsum,
+    #    so they stay exact for long rows. One small matmul instead of a Python loop over chunks.
+    init = x.new_zeros(b, 1, H, P, N) if initial_state is None else initial_state.unsqueeze(1)
+    states_ext = torch.cat([init, states], dim=1)  # [b, c+1, H, P, N]
+    v = F.pad(last.squeeze(-1).transpose(1, 2), (1, 0))  # [b, H, c+1]; v[i] = log-decay of chunk i-1
+    strict = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril(-1)  # i > e
+    seg_c = v.unsqueeze(-1).expand(b, H, c + 1, c + 1).masked_fill(~strict, 0.0)  # [b, H, c+1 (i), c+1 (e)]
+    seg_c = torch.cumsum(seg_c, dim=-2)  # [b, H, c+1 (z), c+1 (e)] = sum_{e < i <= z} v[i]
+    keep_c = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril()  # e <= z
     if seq_idx is not None:
-        prev_seq = torch.cat([sq[:, :1, 0], sq[:, :-1, -1]], dim=1)  # [b, c] sequence of the entering state
-        carry = carry * (sq[:, :, -1] == prev_seq).unsqueeze(-1).to(carry.dtype)  # [b, c, H]
-    s = x.new_zeros(b, H, P, N) if initial_state is None else initial_state
-    entering = []
-    for carry_c, states_c in zip(carry.unbind(1), states.unbind(1)):  # unbind: one backward stack, not c selects
-        entering.append(s)
-        s = carry_c[:, :, None, None] * s + states_c  # [b, H, P, N]
-    final_state = s
-    prev = torch.stack(entering, dim=1)  # [b, c, H, P, N] state entering each chunk
+        seq_ext = torch.cat([sq[:, :1, 0], sq[:, :, -1]], dim=1)  # [b, c+1] sequence of each state
+        keep_c = keep_c & (seq_ext.unsqueeze(-1) == seq_ext.unsqueeze(-2)).unsqueeze(1)  # [b, 1, c+1, c+1]
+        prev_seq = seq_ext[:, :-1]  # [b, c] sequence of the state entering each chunk
+    W = _exp(seg_c.masked_fill(~keep_c, float("-inf")))  # [b, H, c+1, c+1]
+    flat = states_ext.permute(0, 2, 1, 3, 4).reshape(b, H, c + 1, P * N)  # [b, H, c+1, PN]
+    entering = torch.matmul(W, flat).view(b, H, c + 1, P, N)  # [b, H, c+1, P, N]
+    final_state = entering[:, :, c]  # [b, H, P, N]
+    prev = entering[:, :, :c].transpose(1, 2)  # [b, c, H, P, N] state entering each chunk
 
     # 4. inter-chunk output: y_l += exp(acs_l) C_l · prev (only for tokens of the entering sequence)
     prev_g = prev.view(b, c, G, k, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, c, G, N, k * P)  # [b, c, G, N, kP]
