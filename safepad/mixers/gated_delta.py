@@ -49,7 +49,7 @@ from .common import prepare_layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gated_delta_mixer_forward", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "gated_delta_mixer_forward"]
 
 #: tokens per chunk of the chunked delta rule (transformers' torch path and FLA use 64).
 DEFAULT_CHUNK_SIZE = 64

@@ -36,7 +36,7 @@ def short_conv_mixer_forward(
     backend = self._safepad_backend
     cache = past_key_values if past_key_values is not None else kwargs.pop("cache_params", None)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
-    Bsz, T, _ = hidden_states.shape
+    T = hidden_states.shape[1]
     dtype = hidden_states.dtype
     mask = layout.mask
     activation = opts.get("activation")
