@@ -28,15 +28,20 @@ from safepad.guard import guard
 MODELS = {
     # name: (config kwargs, batch, seqlen)
     "tiny (hidden 64, 4 layers, T=128)": (
-        dict(hidden_size=64, layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16,
-             ssm_state_size=16, n_groups=2, chunk_size=16),
+        {
+            "hidden_size": 64, "layers_block_type": ["mamba", "attention", "mamba", "mlp"],
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
+        },
         4, 128,
     ),
     "mid (hidden 512, 8 layers, T=1024)": (
-        dict(hidden_size=512, layers_block_type=["mamba", "mamba", "mamba", "attention", "mamba", "mamba", "mamba",
-             "mlp"], num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1024,
-             mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_groups=2, chunk_size=128),
+        {
+            "hidden_size": 512,
+            "layers_block_type": ["mamba", "mamba", "mamba", "attention", "mamba", "mamba", "mamba", "mlp"],
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1024,
+            "mamba_num_heads": 16, "mamba_head_dim": 64, "ssm_state_size": 64, "n_groups": 2, "chunk_size": 128,
+        },
         2, 1024,
     ),
 }  # fmt: skip

@@ -7,7 +7,7 @@ process silently wrong (right padding with a cache, packed rows, holes in the ma
 
 from __future__ import annotations
 
-__all__ = ["PaddingWarning", "PaddingError", "UnsupportedModelError"]
+__all__ = ["PaddingError", "PaddingWarning", "UnsupportedModelError"]
 
 
 class PaddingWarning(UserWarning):

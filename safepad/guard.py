@@ -139,7 +139,7 @@ def find_ssm_layers(model: nn.Module) -> SSMInfo | None:
     class, counts. Returns ``None`` for a model without recurrent layers.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")  # noqa: TRY004
     config = _config_of(model)
     model_type = str(getattr(config, "model_type", None) or type(model).__name__)
     classes: dict[str, int] = {}
@@ -161,7 +161,7 @@ def find_ssm_layers(model: nn.Module) -> SSMInfo | None:
 def _checkpointing(model: nn.Module) -> bool:
     """Activation checkpointing turns the config-default cache off in training (``merge_with_config_defaults``)."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if name in dir(type(model)):
+        if isinstance(getattr(type(model), name, None), property):
             return bool(getattr(model, name))
     return any(getattr(m, "gradient_checkpointing", False) for m in model.children())
 
@@ -193,7 +193,7 @@ def _wrap_api(required: bool) -> Any:
 class _Stats:
     """Per-mode accumulators: host sums for forwards already synced, one device vector for the rest."""
 
-    __slots__ = ("forwards", "slots", "host", "device", "default_cache_right_padded")
+    __slots__ = ("default_cache_right_padded", "device", "forwards", "host", "slots")
 
     def __init__(self) -> None:
         self.forwards = 0
@@ -263,7 +263,7 @@ class GuardHandle:
             if getattr(self.model, "_safepad_guard", None) is self:
                 del self.model._safepad_guard
 
-    def __enter__(self) -> GuardHandle:
+    def __enter__(self) -> GuardHandle:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -334,11 +334,13 @@ class GuardHandle:
             return "config.use_cache=True in training mode", False
         return "config.use_cache=True in eval mode", True
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         info = self.info
         wrapped = self.is_wrapped()
         if info is None and not wrapped:
-            cache = self._get("past_key_values", args, kwargs) or self._get("cache_params", args, kwargs)
+            cache = self._get("past_key_values", args, kwargs)
+            if cache is None:
+                cache = self._get("cache_params", args, kwargs)
             if cache is not None and _cache_has_recurrent_layers(cache):
                 info = SSMInfo(str(getattr(_config_of(module), "model_type", type(module).__name__)), (), 0)
         check = info is not None and not wrapped
@@ -407,7 +409,9 @@ class GuardHandle:
             return self._report(found, module, args, kwargs)
         return None
 
-    def _report(self, found: list[tuple[str, str]], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _report(
+        self, found: list[tuple[str, str]], module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
         for kind, _ in found:
             self.detections[kind] = self.detections.get(kind, 0) + 1
         if self.mode == "error":
@@ -626,7 +630,7 @@ def guard(model: nn.Module, mode: GuardMode = "warn", *, collect_stats: bool = T
     A model without recurrent layers, or one already wrapped by :func:`safepad.wrap`, is never reported.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")  # noqa: TRY004
     if mode not in GUARD_MODES:
         raise ValueError(f"mode must be one of {GUARD_MODES}, got {mode!r}")
     if get_guard(model) is not None:

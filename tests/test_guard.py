@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import warnings
 
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, NemotronHConfig, NemotronHForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+)
 
 from safepad.errors import PaddingError, PaddingWarning
 from safepad.guard import (
@@ -406,7 +412,7 @@ def test_fix_mode_packed_matches_per_sequence(build):
     stock = copy.deepcopy(model)
     kw = packed_kwargs(seq_idx=False, cu=False)
     ids, bounds = kw["input_ids"], [0, 4, 7, 12]
-    ref = torch.cat([stock(input_ids=ids[:, a:b]).logits for a, b in zip(bounds[:-1], bounds[1:])], 1)  # [1, T, V]
+    ref = torch.cat([stock(input_ids=ids[:, a:b]).logits for a, b in itertools.pairwise(bounds)], 1)  # [1, T, V]
     assert (stock(**kw).logits - ref).abs().max() > 1e-2
     with guard(model, "fix"):
         got = model(**kw).logits

@@ -43,11 +43,11 @@ def make_examples(n: int = 8, lengths: tuple[int, ...] = (5, 8, 3, 7), seed: int
 
 
 def training_args(tmp_path, **kw) -> TrainingArguments:
-    base = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=3,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
-        dataloader_num_workers=0,
-    )  # fmt: skip
+    base = {
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2,
+        "max_steps": 3, "logging_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True,
+        "disable_tqdm": True, "learning_rate": 1e-3, "dataloader_num_workers": 0,
+    }  # fmt: skip
     base.update(kw)
     return TrainingArguments(**base)
 

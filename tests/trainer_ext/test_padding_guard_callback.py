@@ -85,8 +85,8 @@ def run(tmp_path, collator, callback=None, model=None, tokenizer=None, **args):
 
 # --------------------------------------------------------------------------------------- error mode
 RIGHT_PAD_CACHE = [
-    pytest.param(dict(collator=RightPadCollator(use_cache=True)), id="use_cache-in-batch"),
-    pytest.param(dict(collator=RightPadCollator(), use_cache=True, eval_strategy="steps", eval_steps=1),
+    pytest.param({"collator": RightPadCollator(use_cache=True)}, id="use_cache-in-batch"),
+    pytest.param({"collator": RightPadCollator(), "use_cache": True, "eval_strategy": "steps", "eval_steps": 1},
                  id="eval-with-config-use_cache"),
 ]  # fmt: skip
 
@@ -246,7 +246,7 @@ def test_fix_mode_wraps_before_the_first_forward(tmp_path):
     logits, ids, pos = first
     starts = (pos[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
     with torch.no_grad():
-        ref = torch.cat([stock(input_ids=ids[:, a:b]).logits for a, b in zip(starts[:-1], starts[1:])], 1)
+        ref = torch.cat([stock(input_ids=ids[:, a:b]).logits for a, b in itertools.pairwise(starts)], 1)
     # the first training forward already ran wrapped: per-sequence logits (dropout-free model, train mode)
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=1e-3)
 
@@ -258,7 +258,7 @@ def test_stale_callback_guard_is_replaced_user_guard_is_kept(tmp_path):
     with pytest.raises(PaddingError):  # raises before on_train_end: the guard stays on the model
         run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="error"), model=model)
     assert get_guard(model) is not None
-    trainer, warned = run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="warn"), model=model)
+    _, warned = run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="warn"), model=model)
     assert [w.message.kind for w in warned] == [KIND_PACKED] and get_guard(model) is None
     user = guard(model, "error")
     with pytest.raises(PaddingError):  # the user's guard (mode="error") is reused, not replaced
