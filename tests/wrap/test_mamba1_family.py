@@ -34,6 +34,16 @@ BROKEN = 1e-3  # the stock model counts as wrong above this
 PACKED_LENS = [1, 3, 9, 6]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and under ``pytest -n 2`` on 2 cores the threads of two
+    workers contend (10x slower here); restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.lru_cache(maxsize=None)
 def _models(family: str):
     """(stock, wrapped) tiny models with identical weights; tests must leave them unchanged."""
