@@ -136,16 +136,16 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _repeat_positive(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``np.repeat(values, counts)`` for strictly positive ``counts`` ``[S]``, via one cumsum: ``[sum(counts)]``.
+def _ranges(starts: np.ndarray, lengths: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """Concatenated ``arange(starts[s], starts[s] + lengths[s])`` for positive ``lengths`` ``[S]``.
 
-    Faster than ``np.repeat`` with a count array for long outputs of short runs.
+    One cumsum over the output ``[sum(lengths)]``: step +1 inside a range, a jump at every range start.
     """
-    total = int(counts.sum())
-    out = np.zeros(total, dtype=np.int64)  # [T]
-    if total:
-        steps = np.diff(values.astype(np.int64), prepend=0)  # [S] change at every run start
-        out[_exclusive_cumsum(counts)] = steps
+    out = np.ones(int(lengths.sum()), dtype=dtype)  # [T]
+    if out.shape[0]:
+        ends = starts[:-1] + lengths[:-1] - 1  # [S - 1] last value of every range but the last
+        out[_exclusive_cumsum(lengths)[1:]] = starts[1:] - ends  # [S - 1] jump to the next range's start
+        out[0] = starts[0]
         np.cumsum(out, out=out)
     return out
 
@@ -177,15 +177,13 @@ def _plan(lengths: np.ndarray, max_length: int, strategy: str, overflow: str) ->
     if strategy == "bfd":
         order, row_nseq = bfd_assign(frag_len, max_length)
         out_start, out_len = frag_start[order], frag_len[order]  # [S]
-        total = int(out_len.sum())
-        shift = _repeat_positive(out_start - _exclusive_cumsum(out_len), out_len)  # [T]
-        src = np.arange(total, dtype=np.int64) + shift  # [T] flat input index of every output token
+        src = _ranges(out_start, out_len)  # [T] flat input index of every output token
         row_ntok = np.add.reduceat(out_len, _exclusive_cumsum(row_nseq)) if row_nseq.size else row_nseq
         return _Plan(src, out_len, row_nseq, row_ntok)
 
     # wrapped: pieces back to back, cut every max_length tokens (a cut also ends a sequence)
     total = int(frag_len.sum())
-    src = np.arange(total, dtype=np.int64) + _repeat_positive(frag_start - _exclusive_cumsum(frag_len), frag_len)  # [T]
+    src = _ranges(frag_start, frag_len)  # [T]
     cuts = np.union1d(_exclusive_cumsum(frag_len), np.arange(0, total, max_length))  # [S] sequence starts
     cuts = cuts[cuts < total]
     seq_lengths = np.diff(np.append(cuts, total))  # [S]
@@ -215,9 +213,8 @@ def _build_table(
         out[name] = _list_array(tok_off, pc.take(flat, src), large.get(name, False))
     out["seq_lengths"] = _list_array(seq_off, pa.array(plan.seq_lengths.astype(np.int32)))
     if emit_position_ids:
-        pos = np.arange(plan.src.shape[0], dtype=np.int64)  # [T]
-        pos -= _repeat_positive(_exclusive_cumsum(plan.seq_lengths), plan.seq_lengths)
-        out["position_ids"] = _list_array(tok_off, pa.array(pos.astype(np.int32)))
+        pos = _ranges(np.zeros_like(plan.seq_lengths), plan.seq_lengths, np.int32)  # [T] restarting at 0
+        out["position_ids"] = _list_array(tok_off, pa.array(pos))
     return pa.table(out)
 
 
@@ -339,7 +336,9 @@ def pack_dataset(
         num_proc: processes for ``map``.
         buffer_size: examples per online packing round for an ``IterableDataset``; the least
             filled row of a round is carried into the next one.
-        return_stats: return ``(packed, PackingStats)`` (a dict of them for a ``DatasetDict``).
+        return_stats: return ``(packed, PackingStats)`` (a dict of them for a ``DatasetDict``). For an
+            ``IterableDataset`` the stats fill in as the stream is consumed in this process (a
+            DataLoader worker updates its own copy).
         map_kwargs: extra keyword arguments for ``Dataset.map``.
 
     Columns: ``input_ids`` and every per-token column (a list column of numbers with the length of
