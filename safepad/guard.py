@@ -515,9 +515,9 @@ def _summarize(
         zero = torch.zeros((), dtype=torch.int64, device=mask.device)
         mask_has_pads = (~m).any()
     else:
-        tokens = torch.tensor(B * T, device=device)
+        tokens = torch.full((), B * T, dtype=torch.int64, device=device)  # a fill kernel: no host-to-device copy
         trailing = holes = torch.zeros((), dtype=torch.int64, device=device)
-        real_rows = torch.tensor(B, device=device)
+        real_rows = torch.full((), B, dtype=torch.int64, device=device)
         mask_has_pads = None
     if position_ids is not None and T > 1:
         restarts = (position_ids[:, 1:] == 0).sum()  # a 0 after a row's first token starts a new sequence
@@ -530,7 +530,7 @@ def _summarize(
     else:
         changes = torch.zeros((), dtype=torch.int64, device=tokens.device)
     if n_cu is not None:
-        real_rows = torch.tensor(n_cu, device=device)
+        real_rows = torch.full((), n_cu, dtype=torch.int64, device=device)
     elif seq_idx is not None:
         real_rows = real_rows + changes.to(real_rows.device)
     elif position_ids is not None:

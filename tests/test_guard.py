@@ -417,3 +417,37 @@ def test_fix_mode_packed_matches_per_sequence(build):
     with guard(model, "fix"):
         got = model(**kw).logits
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+
+
+def _count_host_reads(monkeypatch) -> dict[str, int]:
+    """Count every Tensor -> host read (.tolist / .item / bool / int / float) from now on."""
+    counts: dict[str, int] = {}
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: dict(zip(("input_ids", "attention_mask"), right_padded()), use_cache=False), id="padded"),
+    pytest.param(lambda: {"input_ids": _batch(), "position_ids": torch.arange(10)[None].expand(3, 10)}, id="ids"),
+    pytest.param(lambda: {"input_ids": _batch(1, 12), "seq_idx": torch.zeros(1, 12, dtype=torch.int32),
+                          "cu_seq_lens_q": torch.tensor([0, 12], dtype=torch.int32)}, id="one-sequence-varlen"),
+])  # fmt: skip
+def test_one_host_read_per_forward_and_none_without_checks(model, monkeypatch, make):
+    kwargs = make()
+    with guard(model, "error") as handle:
+        counts = _count_host_reads(monkeypatch)
+        handle._pre_forward(model, (), kwargs)
+        assert counts == {"tolist": 1}  # the one sync of an unwrapped SSM on a safe layout
+        handle.info = None  # stats only (what a wrapped or a non-SSM model gets): nothing is read back
+        counts.clear()
+        handle._pre_forward(model, (), kwargs)
+        assert counts == {}
+        monkeypatch.undo()
+        assert handle.stats(training=False)["safepad/tokens_per_batch"] > 0
