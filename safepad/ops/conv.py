@@ -300,13 +300,13 @@ def causal_conv1d_step(
     _check_activation(activation)
     check_backend(backend)
     S = conv_state.shape[2]
-    same_dtype = conv_state.dtype == x.dtype == weight.dtype
-    if (
-        S >= K
-        and same_dtype
-        and not torch.is_grad_enabled()
-        and kernels.use_kernels(x, conv_state, weight, need=("causal_conv1d_update",), backend=backend)
-    ):
+    expressible = S >= K and conv_state.dtype == x.dtype == weight.dtype and not torch.is_grad_enabled()
+    if backend == "kernels" and not expressible:
+        raise ValueError(
+            "backend='kernels': causal_conv1d_update needs conv_state with S >= K columns, one dtype for x, "
+            "conv_state and weight, and no autograd (torch.no_grad()); use backend='auto' otherwise"
+        )
+    if expressible and kernels.use_kernels(x, conv_state, weight, need=("causal_conv1d_update",), backend=backend):
         new_state = conv_state.clone()
         y = kernels.causal_conv1d_update(x, new_state, weight, bias, activation=activation)  # updates new_state
         return y, new_state

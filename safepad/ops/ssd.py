@@ -294,13 +294,17 @@ def ssd_scan(
         t is not None and t.requires_grad for t in (x, dt, A, B, C, D, dt_bias, initial_state)
     )
     varlen_ok = not return_varlen_states or (Bsz == 1 and not need_grad)
-    if kernels.use_kernels(x, dt, A, B, C, need=("mamba_chunk_scan_combined",), backend=backend) and varlen_ok:
-        return _ssd_kernel(xk, dtp, A, Bk, C, chunk_size, D, seq_idx, initial_state, return_final_state, return_varlen_states)
-    if backend == "kernels" and not varlen_ok:
+    if backend == "kernels" and not (varlen_ok and ct == torch.float32):
         raise ValueError(
             "backend='kernels': mamba_chunk_scan_combined returns varlen states only for batch 1 without "
-            "gradients; use backend='auto' to compute them with the torch core"
+            "gradients, and has no float64 path; use backend='auto' to run this call on the torch core"
         )
+    if (
+        varlen_ok
+        and ct == torch.float32
+        and kernels.use_kernels(x, dt, A, B, C, need=("mamba_chunk_scan_combined",), backend=backend)
+    ):
+        return _ssd_kernel(xk, dtp, A, Bk, C, chunk_size, D, seq_idx, initial_state, return_final_state, return_varlen_states)
     if return_varlen_states and x.is_cuda and backend == "auto" and kernels.mamba_chunk_scan_combined is not None:
         logger.debug("ssd_scan: varlen states need batch 1 and no grad on the kernel; using the torch core")
 
@@ -409,11 +413,13 @@ def ssd_step(
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (state, x, dt, A, B, C, D, dt_bias)
     )
-    if (
-        ct == torch.float32
-        and not need_grad
-        and kernels.use_kernels(state, x, need=("selective_state_update",), backend=backend)
-    ):
+    expressible = ct == torch.float32 and not need_grad
+    if backend == "kernels" and not expressible:
+        raise ValueError(
+            "backend='kernels': selective_state_update is forward-only and has no float64 path; "
+            "use backend='auto' for float64 inputs or when gradients are needed"
+        )
+    if expressible and kernels.use_kernels(state, x, need=("selective_state_update",), backend=backend):
         new_state = state.float().clone()  # the kernel updates in place
         A_k = A.float()[:, None, None].expand(H, P, N)  # [H, P, N] (tied over P, N)
         dt_k = dtp[:, :, None].expand(Bsz, H, P)  # [B, H, P]
