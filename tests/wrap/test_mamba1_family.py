@@ -170,6 +170,21 @@ def test_packed_row_matches_each_sequence_alone(family, source):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_packed_bf16_is_as_close_to_fp32_as_stock_alone(family):
+    """bf16: the packed wrapped row is no further from the fp32 oracle than the stock bf16 model run alone."""
+    stock, _ = _models(family)
+    stock16 = copy.deepcopy(stock).to(torch.bfloat16)
+    wrapped16 = safepad.wrap(copy.deepcopy(stock16))
+    seqs, ids, seq_idx, _, _ = packed_batch(PACKED_LENS, seed=11)
+    oracle = torch.cat([_alone(stock, s)[0] for s in seqs])  # fp32 [T, V]
+    noise = _err(torch.cat([_alone(stock16, s)[0] for s in seqs]), oracle)  # bf16 rounding of the stock model
+    got = _run(wrapped16, ids, seq_idx=seq_idx)[0][0]
+    assert _err(got, oracle) <= 1.25 * noise + 1e-2
+    stock_packed = _run(stock16, ids, seq_idx=seq_idx)[0][0]
+    assert _err(stock_packed, oracle) > 2 * noise + 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_packed_loss_and_parameter_grads_match_per_sequence(family):
     stock, wrapped = _models(family)
     seqs, ids, seq_idx, _, pos = packed_batch(PACKED_LENS, seed=3)
