@@ -1,0 +1,221 @@
+"""One-shot GPU check (<= 5 min on one GPU): CUDA kernels == safepad's torch core, with timings.
+
+    python benchmarks/gpu_check.py
+
+With CUDA and the kernels (mamba-ssm, causal-conv1d) present it runs every function in ``CHECKS`` on
+random varlen inputs in fp32 and bf16 and prints one table row per case: max relative error of the
+kernel path against the torch core, the tolerance, and both timings. Without them it runs a quick
+torch-core self-check on CPU, prints ``skipping kernel half: <reason>`` and exits 0.
+
+Extend it by appending a function to ``CHECKS``: ``check(device: str) -> list[Row]``.
+Exit status: 0 when every row passes (or the kernel half is skipped), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from safepad.ops import causal_conv1d, causal_conv1d_step, kernels, ssd_scan, ssd_step  # noqa: E402
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+
+
+@dataclass
+class Row:
+    name: str
+    dtype: str
+    err: float
+    tol: float
+    t_kernel_ms: float = float("nan")
+    t_torch_ms: float = float("nan")
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def timed(fn: Callable[[], object], reps: int = 5) -> tuple[object, float]:
+    """Result of ``fn`` and its best time in ms (synchronising on CUDA)."""
+    out = fn()
+    best = float("inf")
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return out, best
+
+
+def varlen_seq_idx(Bsz: int, T: int, seed: int, device: str, max_seqs: int = 6) -> torch.Tensor:
+    """Random packed layout: ``[B, T]`` int32 with 1..max_seqs sequences per row."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(Bsz):
+        n_cuts = int(torch.randint(0, max_seqs, (1,), generator=g))
+        cuts = (torch.randperm(T - 1, generator=g)[:n_cuts] + 1).tolist()
+        row = torch.zeros(T, dtype=torch.int32)
+        for c in cuts:
+            row[c:] += 1
+        rows.append(row)
+    return torch.stack(rows).to(device)
+
+
+def ssd_inputs(Bsz: int, T: int, device: str, dtype: torch.dtype, H=16, P=64, G=2, N=64, seed=0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=g, device=device) * scale).to(dtype)
+
+    return dict(
+        x=r(Bsz, T, H, P),
+        dt=r(Bsz, T, H, scale=0.5) - 2.0,
+        A=-torch.rand(H, generator=g, device=device) * 4 - 0.5,
+        B=r(Bsz, T, G, N, scale=0.3),
+        C=r(Bsz, T, G, N, scale=0.3),
+        D=torch.randn(H, generator=g, device=device),
+        dt_bias=torch.randn(H, generator=g, device=device) * 0.3,
+        initial_state=torch.randn(Bsz, H, P, N, generator=g, device=device) * 0.1,
+    )
+
+
+def check_conv(device: str) -> list[Row]:
+    rows = []
+    Bsz, T, D, K = 4, 4096, 1280, 4
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator(device=device).manual_seed(1)
+        x = torch.randn(Bsz, T, D, generator=g, device=device).to(dtype)
+        w = torch.randn(D, K, generator=g, device=device) * 0.5
+        b = torch.randn(D, generator=g, device=device)
+        init = torch.randn(Bsz, D, K, generator=g, device=device).to(dtype)
+        mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
+        mask[1, 3000:] = False
+        cases = {
+            "conv varlen (seq_idx)": dict(seq_idx=varlen_seq_idx(Bsz, T, 2, device)),
+            "conv init+mask+state": dict(initial_state=init, token_mask=mask, return_final_state=True, state_len=K),
+        }
+        for name, kw in cases.items():
+            with torch.no_grad():
+                out_k, tk = timed(lambda: causal_conv1d(x, w, b, activation="silu", backend="kernels", **kw))
+                out_t, tt = timed(lambda: causal_conv1d(x, w, b, activation="silu", backend="torch", **kw))
+            out_k = out_k if isinstance(out_k, tuple) else (out_k,)
+            out_t = out_t if isinstance(out_t, tuple) else (out_t,)
+            err = max(rel_err(a, c) for a, c in zip(out_k, out_t))
+            rows.append(Row(name, str(dtype).removeprefix("torch."), err, TOL[dtype], tk, tt))
+    return rows
+
+
+def check_scan(device: str) -> list[Row]:
+    rows = []
+    Bsz, T = 2, 4096
+    for dtype in (torch.float32, torch.bfloat16):
+        t = ssd_inputs(Bsz, T, device, dtype)
+        seq = varlen_seq_idx(Bsz, T, 3, device)
+        mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
+        mask[1, 4000:] = False
+        kw = dict(chunk_size=256, D=t["D"], dt_bias=t["dt_bias"], dt_limit=(0.01, 0.5), seq_idx=seq,
+                  initial_state=t["initial_state"], token_mask=mask, return_final_state=True)
+        args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
+        with torch.no_grad():
+            (yk, fk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
+            (yt, ft), tt = timed(lambda: ssd_scan(*args, backend="torch", **kw))
+        m = mask[..., None, None]
+        err = max(rel_err(yk.float() * m, yt.float() * m), rel_err(fk, ft))
+        rows.append(Row("scan varlen+init+mask", str(dtype).removeprefix("torch."), err, TOL[dtype], tk, tt))
+    t = ssd_inputs(1, T, device, torch.float32, seed=4)
+    seq = varlen_seq_idx(1, T, 5, device, max_seqs=12)
+    kw = dict(chunk_size=256, D=t["D"], dt_bias=t["dt_bias"], seq_idx=seq, initial_state=t["initial_state"],
+              return_varlen_states=True)
+    args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
+    with torch.no_grad():
+        (yk, vk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
+        (yt, vt), tt = timed(lambda: ssd_scan(*args, backend="torch", **kw))
+    rows.append(Row("scan varlen states (B=1)", "float32", max(rel_err(yk, yt), rel_err(vk, vt)), TOL[torch.float32], tk, tt))
+    return rows
+
+
+def check_step(device: str) -> list[Row]:
+    rows = []
+    t = ssd_inputs(8, 1, device, torch.float32)
+    args = (t["initial_state"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0])
+    for lim in ((0.0, float("inf")), (0.05, float("inf")), (0.0, 0.01)):
+        kw = dict(D=t["D"], dt_bias=t["dt_bias"], dt_limit=lim)
+        with torch.no_grad():
+            (yk, sk), tk = timed(lambda: ssd_step(*args, backend="kernels", **kw))
+            (yt, st), tt = timed(lambda: ssd_step(*args, backend="torch", **kw))
+        rows.append(Row(f"ssd_step dt_limit={lim}", "float32", max(rel_err(yk, yt), rel_err(sk, st)), 1e-4, tk, tt))
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(8, 1280, generator=g, device=device)
+    state = torch.randn(8, 1280, 4, generator=g, device=device)
+    w, b = torch.randn(1280, 4, generator=g, device=device), torch.randn(1280, generator=g, device=device)
+    with torch.no_grad():
+        (yk, sk), tk = timed(lambda: causal_conv1d_step(x, state, w, b, activation="silu", backend="kernels"))
+        (yt, st), tt = timed(lambda: causal_conv1d_step(x, state, w, b, activation="silu", backend="torch"))
+    rows.append(Row("conv step", "float32", max(rel_err(yk, yt), rel_err(sk, st)), 1e-5, tk, tt))
+    return rows
+
+
+# Model-level checks (safepad.wrap) can be appended here: each is ``check(device) -> list[Row]``.
+CHECKS: list[Callable[[str], list[Row]]] = [check_conv, check_scan, check_step]
+
+
+def cpu_self_check() -> list[Row]:
+    """Torch core only: a packed row == its sequences run alone (fp32, small)."""
+    t = ssd_inputs(1, 96, "cpu", torch.float32, H=4, P=8, N=8)
+    seq = varlen_seq_idx(1, 96, 7, "cpu")
+    y, v = ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=16, seq_idx=seq, return_varlen_states=True)
+    starts = [0] + (torch.nonzero(seq[0, 1:] != seq[0, :-1]).squeeze(1) + 1).tolist() + [96]
+    err = 0.0
+    for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
+        ys, fs = ssd_scan(t["x"][:, s:e], t["dt"][:, s:e], t["A"], t["B"][:, s:e], t["C"][:, s:e], chunk_size=16,
+                          return_final_state=True)
+        err = max(err, rel_err(y[:, s:e], ys), rel_err(v[i], fs[0]))
+    return [Row("torch core: packed == per-sequence (cpu)", "float32", err, 1e-5)]
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'check':<44} {'dtype':<9} {'max rel err':>11} {'tol':>8} {'kernel ms':>10} {'torch ms':>10}  ok")
+    for r in rows:
+        print(f"{r.name:<44} {r.dtype:<9} {r.err:>11.2e} {r.tol:>8.0e} {r.t_kernel_ms:>10.2f} {r.t_torch_ms:>10.2f}  "
+              f"{'PASS' if r.ok else 'FAIL'}")
+
+
+def main() -> int:
+    rows = cpu_self_check()
+    need = ("mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update")
+    missing = [n for n in need if not kernels.kernels_available()[n]]
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA device"
+    elif missing:
+        reason = f"kernels not importable: {', '.join(missing)}"
+    if reason is None:
+        print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+        for check in CHECKS:
+            try:
+                rows.extend(check("cuda"))
+            except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
+                rows.append(Row(f"{check.__name__}: {type(e).__name__}: {str(e)[:60]}", "-", float("inf"), 0.0))
+    print_table(rows)
+    if reason is not None:
+        print(f"skipping kernel half: {reason}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
