@@ -451,3 +451,29 @@ def test_one_host_read_per_forward_and_none_without_checks(model, monkeypatch, m
         assert counts == {}
         monkeypatch.undo()
         assert handle.stats(training=False)["safepad/tokens_per_batch"] > 0
+
+
+class PlainModel(nn.Module):
+    """No recognisable mixer class, no layer_types, unknown model_type: only the cache gives the SSM away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Cfg", (), {"model_type": "opaque", "use_cache": False})()
+        self.embed = nn.Embedding(256, 8)
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, **kwargs):
+        return self.embed(input_ids)
+
+
+def test_recurrent_cache_layers_reveal_an_undetected_ssm():
+    from transformers import DynamicCache
+
+    opaque = PlainModel()
+    assert find_ssm_layers(opaque) is None
+    ids, mask = right_padded()
+    cache = DynamicCache(config=tiny_nemotron_h().config)  # holds LinearAttentionLayer layers
+    opaque(ids, mask, past_key_values=cache)  # stock: silent
+    with guard(opaque, "error"):
+        opaque(ids, mask, past_key_values=DynamicCache())  # attention-only cache: nothing to report
+        with pytest.raises(PaddingError, match="opaque"):
+            opaque(ids, mask, past_key_values=cache)
