@@ -255,6 +255,52 @@ def test_packed_loss_and_grads(models, boundaries):
     assert base["grad_rel"] > STOCK_BROKEN, (family, "stock", base)
 
 
+def test_packed_grads_with_gradient_checkpointing(models):
+    """Checkpointed layers re-run the mixers during backward, outside the model call: boundaries must hold."""
+    family, stock, ref, _ = models
+    model = wrap(copy.deepcopy(stock), backend="torch")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    mixer = wrapped_modules(model)[0][1]
+    calls = []
+    handle = mixer.register_forward_pre_hook(lambda mod, args: calls.append(torch.is_grad_enabled()))
+    try:
+        got = packed_loss_grad_errors(model, ref, "seq_idx")
+    finally:
+        handle.remove()
+    assert len(calls) >= 2, "the checkpointed mixer was not recomputed during backward"
+    assert got["loss_rel"] <= GRAD_RTOL and got["grad_rel"] <= GRAD_RTOL, (family, got)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@torch.no_grad()
+def test_lora_on_every_mixer_projection_stays_active(models):
+    """LoRA on each mixer projection: the wrapped model with adapters == the stock model with the same
+    adapters on each row alone (padded batch), and the adapters change the output (so none is bypassed)."""
+    peft = pytest.importorskip("peft")
+    family, stock, _, _ = models
+    mixer_names = {n for n, m in stock.named_modules() if type(m).__name__ == MIXER_CLASS[family]}
+    targets = sorted(
+        f"{mn}.{sn}" for mn in mixer_names for sn, s in stock.get_submodule(mn).named_modules() if isinstance(s, nn.Linear)
+    )
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    torch.manual_seed(0)
+    lora_ref = peft.get_peft_model(copy.deepcopy(stock), config).eval()
+    lora_wrapped = wrap(copy.deepcopy(lora_ref), backend="torch")
+    seqs = [_ids(n, 50 + n) for n in (10, 6)]
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, q in enumerate(seqs):
+        ids[r, : len(q)], mask[r, : len(q)] = q, 1
+    out = lora_wrapped(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    for r, q in enumerate(seqs):
+        alone = lora_ref(input_ids=q[None], use_cache=False).logits[0].float()
+        torch.testing.assert_close(out[r, : len(q)], alone, rtol=0, atol=TOL)
+        with lora_ref.disable_adapter():
+            base = lora_ref(input_ids=q[None], use_cache=False).logits[0].float()
+        assert (base - alone).abs().max() > STOCK_BROKEN  # the adapters matter
+
+
 # ------------------------------------------------------------------------------------------------------------
 # clear errors
 # ------------------------------------------------------------------------------------------------------------
