@@ -382,6 +382,8 @@ class DataCollatorForPackedSSM:
         batch["max_length_q"] = batch["max_length_k"] = max_len
 
         self.stats.batches += 1
+        if skipped:
+            logger.debug("DataCollatorForPackedSSM: skipped empty features %s", skipped)
         self.stats.examples_skipped += len(skipped)
         self.stats.last_skipped = skipped
         self.stats.sequences += n_seq - (1 if pad else 0)
