@@ -1,6 +1,6 @@
-"""The generic padding-correct gated-delta-rule mixer (Qwen3-Next, OLMo-Hybrid, Kimi-Linear).
+"""The generic padding-correct gated-delta-rule mixer (Qwen3-Next, Qwen3.5, OLMo-Hybrid, Kimi-Linear).
 
-The three transformers 5.23 mixers share one structure::
+The transformers 5.23 mixers share one structure::
 
     projections(x) -> [q | k | v] -> one causal conv (SiLU) -> q, k, v per head
     projections(x) -> beta (write strength), g (log-decay, per head or per key channel), gate
@@ -12,7 +12,8 @@ through ``options``:
 ``qkv``
     ``"qkvz_ba"``: Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` regrouped by the module's own
     ``fix_query_key_value_ordering`` (``z`` is the output gate, ``b`` / ``a`` the beta / decay logits);
-    ``"separate"``: ``q_proj`` / ``k_proj`` / ``v_proj``.
+    otherwise a tuple of projections whose outputs, concatenated, are ``[q | k | v]``
+    (``("q_proj", "k_proj", "v_proj")``, Qwen3.5's ``("in_proj_qkv",)``).
 ``beta``
     name of the beta-logit projection (``"b_proj"``) or ``None`` (taken from the fused ``ba`` projection).
     ``beta_scale_flag``: a boolean attribute that doubles beta (OLMo-Hybrid's ``allow_neg_eigval``).
@@ -22,7 +23,7 @@ through ``options``:
     a per-key-channel gate ``[B, T, H, Dk]`` (Kimi Delta Attention).
 ``gate``
     a chain of projections applied to the hidden states (``("g_proj",)``, ``("g_a_proj", "g_b_proj")``), or
-    ``None`` for Qwen3-Next's ``z``.
+    ``None`` for Qwen3-Next's ``z`` (reshaped to ``[B, T, H, Dv]`` either way by the norm call).
 ``norm`` / ``out``
     attribute names of the gated RMS norm and the output projection.
 ``key_dim`` / ``key_head_dim`` / ``value_head_dim``
@@ -58,19 +59,17 @@ DEFAULT_CHUNK_SIZE = 64
 def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``hidden_states [B, T, C]`` -> (conv input ``[B, T, 2 * H_k * Dk + H * Dv]`` as ``[q | k | v]``,
     Qwen3-Next's ``z [B, T, H, Dv]``, ``b [B, T, H]``, ``a [B, T, H]``; ``None`` for the others)."""
-    layout = opts.get("qkv", "separate")
+    layout = opts.get("qkv", ("q_proj", "k_proj", "v_proj"))
     if layout == "qkvz_ba":
         qkvz = self.in_proj_qkvz(hidden_states)  # [B, T, 2 * H_k * Dk + 2 * H * Dv]
         ba = self.in_proj_ba(hidden_states)  # [B, T, 2 * H]
         q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)  # q,k [B,T,H_k,Dk]; v,z [B,T,H,Dv]; b,a [B,T,H]
         flat = [x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)]  # [B, T, H_k * Dk] x2, [B, T, H * Dv]
         return torch.cat(flat, dim=-1), z, b, a
-    if layout == "separate":
-        mixed = torch.cat(
-            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
-        )  # [B, T, 2 * H_k * Dk + H * Dv]
-        return mixed, None, None, None
-    raise ValueError(f"gated-delta spec option qkv must be 'qkvz_ba' or 'separate', got {layout!r}")
+    if isinstance(layout, tuple) and layout and all(isinstance(n, str) for n in layout):
+        parts = [getattr(self, name)(hidden_states) for name in layout]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), None, None, None  # [B, T, conv_dim]
+    raise ValueError(f"gated-delta spec option qkv must be 'qkvz_ba' or a tuple of projection names, got {layout!r}")
 
 
 def _beta(self, opts, hidden_states: Tensor, b: Tensor | None) -> Tensor:

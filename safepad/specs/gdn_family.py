@@ -1,6 +1,7 @@
-"""Specs for the gated-delta-rule family (Qwen3-Next, OLMo-Hybrid, Kimi-Linear) and LFM2's short conv.
+"""Specs for the gated-delta-rule family (Qwen3-Next, Qwen3.5 / MoE, OLMo-Hybrid, Kimi-Linear) and LFM2's
+(and LFM2-MoE's) short conv.
 
-All four are hybrids (linear-attention / conv layers interleaved with full attention). Their model forwards
+All are hybrids (linear-attention / conv layers interleaved with full attention). Their model forwards
 pass ``position_ids`` to ``create_causal_mask``, so the restarting ``position_ids`` safepad synthesises for
 packed calls (``hybrid=True``) are enough for their attention layers to keep packed sequences apart.
 """
@@ -28,6 +29,15 @@ def _gdn(model_type: str, cls: str, options: dict, description: str) -> MixerSpe
     )
 
 
+#: Qwen3.5 (dense and MoE): fused ``[q | k | v]`` projection, separate z / b / a projections.
+_QWEN3_5 = {
+    "qkv": ("in_proj_qkv",),
+    "beta": "in_proj_b",
+    "decay": "mamba",
+    "decay_proj": "in_proj_a",
+    "gate": ("in_proj_z",),
+}
+
 GDN_FAMILY = tuple(
     register(s)
     for s in (
@@ -37,11 +47,13 @@ GDN_FAMILY = tuple(
             {"qkv": "qkvz_ba", "beta": None, "decay": "mamba", "decay_proj": None, "gate": None},
             "fused in_proj_qkvz / in_proj_ba regrouped per key head; z gates the output norm",
         ),
+        _gdn("qwen3_5", "Qwen3_5GatedDeltaNet", _QWEN3_5, "fused qkv projection; z / b / a projected separately"),
+        _gdn("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _QWEN3_5, "as qwen3_5 (MoE feed-forward)"),
         _gdn(
             "olmo_hybrid",
             "OlmoHybridGatedDeltaNet",
             {
-                "qkv": "separate",
+                "qkv": ("q_proj", "k_proj", "v_proj"),
                 "beta": "b_proj",
                 "beta_scale_flag": "allow_neg_eigval",
                 "decay": "mamba",
@@ -56,7 +68,7 @@ GDN_FAMILY = tuple(
             "kimi_linear",
             "KimiLinearDeltaAttention",
             {
-                "qkv": "separate",
+                "qkv": ("q_proj", "k_proj", "v_proj"),
                 "beta": "b_proj",
                 "decay": "module",
                 "decay_module": "forget_gate",
@@ -72,16 +84,22 @@ GDN_FAMILY = tuple(
     )
 )
 
-SHORT_CONV_FAMILY = (
-    register(
-        MixerSpec(
-            model_type="lfm2",
-            kind="short_conv",
-            mixer_classes=("Lfm2ShortConv",),
-            forward=short_conv_mixer_forward,
-            options=MappingProxyType({"accelerate_children": ("conv",), "activation": None}),
-            hybrid=True,
-            description="gated depthwise short conv (conv state only)",
-        )
-    ),
+def _short_conv(model_type: str, cls: str, description: str) -> MixerSpec:
+    return MixerSpec(
+        model_type=model_type,
+        kind="short_conv",
+        mixer_classes=(cls,),
+        forward=short_conv_mixer_forward,
+        options=MappingProxyType({"accelerate_children": ("conv",), "activation": None}),
+        hybrid=True,
+        description=description,
+    )
+
+
+SHORT_CONV_FAMILY = tuple(
+    register(s)
+    for s in (
+        _short_conv("lfm2", "Lfm2ShortConv", "gated depthwise short conv (conv state only)"),
+        _short_conv("lfm2_moe", "Lfm2MoeShortConv", "as lfm2 (MoE feed-forward)"),
+    )
 )

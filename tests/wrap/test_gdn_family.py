@@ -1,4 +1,5 @@
-"""safepad.wrap on the gated-delta-rule hybrids (qwen3_next, olmo_hybrid, kimi_linear) and LFM2's short conv.
+"""safepad.wrap on the gated-delta-rule hybrids (qwen3_next, olmo_hybrid, kimi_linear; siblings qwen3_5, qwen3_5_moe)
+and LFM2's short conv (sibling lfm2_moe).
 
 Reference: each sequence run alone through the stock (unwrapped) model, fp32 CPU, tolerance 1e-4 on the
 logits. Every behaviour is also run on the stock model, which must fail it (error > 1e-3 or raise) — or,
@@ -368,3 +369,57 @@ def test_bad_boundaries_raise(models, kwargs, match):
     ids, _, _, _ = _packed_row()
     with pytest.raises(ValueError, match=match):
         wrapped(input_ids=ids, use_cache=False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# sibling families served by the same specs (tiny configs built here: safepad.testing.tiny does not list them)
+# ------------------------------------------------------------------------------------------------------------
+
+_SMALL = {"vocab_size": 256, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_SMALL_ATTN = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "num_hidden_layers": 2}
+_SMALL_GDN = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_SMALL_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+SIBLINGS = {
+    "qwen3_5_text": {**_SMALL_GDN},
+    "qwen3_5_moe_text": {**_SMALL_GDN, **_SMALL_MOE, "shared_expert_intermediate_size": 32},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], **_SMALL_MOE, "num_dense_layers": 1},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SIBLINGS))
+def sibling_models(request):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from safepad.testing.tiny import strengthen_mixers
+
+    config = AutoConfig.for_model(request.param, **_SMALL, **_SMALL_ATTN, **SIBLINGS[request.param])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        stock = strengthen_mixers(AutoModelForCausalLM.from_config(config)).eval()
+    return request.param, stock, copy.deepcopy(stock), wrap(copy.deepcopy(stock), backend="torch")
+
+
+@pytest.mark.parametrize("scenario", ["packed_position_ids", "right_pad_decode", "chunked_prefill_pad"])
+def test_sibling_family_scenarios(sibling_models, scenario):
+    family, stock, ref, wrapped = sibling_models
+    assert wrapped_modules(wrapped), family
+    got = run_scenario(wrapped, ref, scenario)
+    assert got.passed, (family, scenario, got.to_dict())
+    base = run_scenario(stock, ref, scenario)
+    assert _stock_fails(base.max_error, base.error), (family, scenario, base.max_error)
+
+
+def test_sibling_family_packed_grads(sibling_models):
+    family, stock, ref, wrapped = sibling_models
+    got = packed_loss_grad_errors(wrapped, ref, "position_ids")
+    assert got["loss_rel"] <= GRAD_RTOL and got["grad_rel"] <= GRAD_RTOL, (family, got)
+    base = packed_loss_grad_errors(stock, ref, "position_ids")
+    assert base["grad_rel"] > STOCK_BROKEN, (family, "stock", base)
