@@ -506,6 +506,8 @@ def _fla_inexpressible(q: Tensor, k: Tensor, v: Tensor, per_channel: bool) -> st
     """Why FLA's ``chunk_gated_delta_rule`` cannot compute this call exactly, or None."""
     if per_channel:
         return "per-channel gates (KDA) are not FLA's gated-delta-rule kernel"
+    if q.shape[1] == 0:
+        return "empty sequence dimension"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
         return f"FLA's kernel takes matching float16/bfloat16 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype})"
     return None

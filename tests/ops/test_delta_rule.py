@@ -397,10 +397,16 @@ def test_fla_kernel_matches_torch_core_packed():
     leaves_t = [x.clone().requires_grad_() for x in inputs]
     ok, fk, vk = chunk_gated_delta_rule(*leaves_k, backend="kernels", **kw)
     ot, ft, vt = chunk_gated_delta_rule(*leaves_t, backend="torch", **kw)
+
+    def rms_err(a, b):  # bf16 kernels: RMS ratio, as FLA's own tests
+        a, b = a.detach().double(), b.detach().double()
+        return ((a - b).square().mean().sqrt() / b.square().mean().sqrt()).item()
+
     m = mask[..., None, None]
-    assert rel_err(torch.where(m, ok, 0), torch.where(m, ot, 0)) < 3e-2
-    assert rel_err(fk, ft) < 3e-2 and rel_err(vk, vt) < 3e-2
-    (torch.where(m, ok.float(), 0).square().sum()).backward()
-    (torch.where(m, ot.float(), 0).square().sum()).backward()
+    assert ok.dtype == torch.bfloat16 and fk.dtype == torch.float32 and vk.shape == vt.shape == (4, 4, 64, 64)
+    assert rms_err(torch.where(m, ok, 0), torch.where(m, ot, 0)) < 2e-2
+    assert rms_err(fk, ft) < 2e-2 and rms_err(vk, vt) < 2e-2
+    (torch.where(m, ok.float(), 0).square().sum() + fk.sum()).backward()
+    (torch.where(m, ot.float(), 0).square().sum() + ft.sum()).backward()
     for a, b in zip(leaves_k, leaves_t):
-        assert rel_err(a.grad, b.grad) < 5e-2
+        assert rms_err(a.grad, b.grad) < 3e-2
