@@ -85,8 +85,8 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, name: str 
 def seq_idx_from_cu_seqlens(cu_seqlens: Tensor, total: int, name: str = "cu_seqlens") -> Tensor:
     """``cu_seqlens`` ``[S + 1]`` over a flattened ``[1, total]`` row -> ``seq_idx`` ``[1, total]`` int32."""
     cu = validate_cu_seqlens(cu_seqlens, total, name)
-    pos = torch.arange(total, device=cu.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu[1:].contiguous(), pos, right=True)  # [total]
+    lengths = (cu[1:] - cu[:-1]).to(torch.int64)  # [S]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)  # [total]
     return seq.to(torch.int32).unsqueeze(0)  # [1, total]
 
 
