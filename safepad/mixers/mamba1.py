@@ -19,8 +19,11 @@ What it fixes over the stock mixers:
 * padded prefill (left, right, holes): pads leave the SSM state untouched (dt := 0 at pads) and the cached
   conv state holds each row's last K real inputs;
 * chunked prefill continues from the cached conv and SSM states (stock restarts from zero);
-* a full-length 2-D mask (past + current tokens) is accepted on every path; stock raises on chunked
-  prefill and corrupts the conv state on decode.
+* a full-length 2-D mask (past + current tokens) is accepted on every path and means the same as no mask
+  when it is all ones. ``MambaModel`` / ``FalconMambaModel`` hand the caller's untrimmed mask to every
+  mixer, whose ``apply_mask_to_padding_states`` then raises on a chunked prefill and, on a single-token
+  decode, broadcasts ``[B, 1, I] * [B, past + 1, 1]`` into a wrong-length input that corrupts the conv
+  state; safepad reads only the mask's last ``T`` columns (Jamba trims it at model level already).
 
 Shapes: ``B`` batch, ``T`` tokens, ``I`` intermediate size, ``N`` state size, ``R`` dt rank, ``K`` conv width.
 """
@@ -91,7 +94,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     A = -torch.exp(self.A_log.float())  # [I, N]
     D = self.D.float()  # [I]
     weight = self.conv1d.weight.squeeze(1)  # [I, 1, K] -> [I, K]
-    bias = self.conv1d.bias if self.use_conv_bias else None
+    bias = self.conv1d.bias  # [I] or None
     K = weight.shape[-1]
     past = read_states(cache, self.layer_idx)
 

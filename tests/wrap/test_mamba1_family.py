@@ -185,8 +185,12 @@ def test_packed_bf16_is_as_close_to_fp32_as_stock_alone(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_loss_and_parameter_grads_match_per_sequence(family):
+@pytest.mark.parametrize("mode", ["eval", pytest.param("train", id="train-gradient-checkpointing")])
+def test_packed_loss_and_parameter_grads_match_per_sequence(family, mode):
     stock, wrapped = _models(family)
+    if mode == "train":  # a Trainer step: train mode, checkpointed layers re-run the mixers in backward
+        stock, wrapped = copy.deepcopy(stock).train(), copy.deepcopy(wrapped).train()
+        wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     seqs, ids, seq_idx, _, pos = packed_batch(PACKED_LENS, seed=3)
     bounds = torch.tensor([0, *PACKED_LENS]).cumsum(0).tolist()
 
