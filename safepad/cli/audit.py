@@ -23,7 +23,7 @@ from ..testing.tiny import FAMILIES, tiny_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["add_parser", "run", "plot_pad_sweep"]
+__all__ = ["add_parser", "plot_pad_sweep", "run"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,8 +187,8 @@ def plot_pad_sweep(sweep: dict[str, list[float]], path: str, title: str = "") ->
     fig, ax = plt.subplots(figsize=(6, 4))
     try:
         for label, errors in sweep.items():
-            ys = [e if math.isfinite(e) else float("nan") for e in errors]
-            ys = [max(y, 1e-12) if y == y else y for y in ys]  # log axis: show exact zeros at the floor
+            # log axis: exact zeros are drawn at 1e-12, a raising model (inf) leaves a gap
+            ys = [max(e, 1e-12) if math.isfinite(e) else math.nan for e in errors]
             ax.plot(range(len(ys)), ys, marker="o", label=label)
         ax.set_yscale("log")
         ax.set_xlabel("trailing pad tokens in the prefill")

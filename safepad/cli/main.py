@@ -24,9 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(
-    argv: Sequence[str] | None = None, *, wrap_fn: Callable[[nn.Module], nn.Module] | None = None
-) -> int:
+def main(argv: Sequence[str] | None = None, *, wrap_fn: Callable[[nn.Module], nn.Module] | None = None) -> int:
     """Run the CLI; return the exit status (0 success, 1 a check failed, 2 usage error).
 
     Args:

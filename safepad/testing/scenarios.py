@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 import math
 import time
@@ -51,17 +52,17 @@ from torch import Tensor, nn
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "SCENARIOS",
     "PACKED_LENGTHS",
-    "ScenarioResult",
+    "SCENARIOS",
     "AuditReport",
-    "default_tol",
-    "cache_states",
-    "run_scenario",
-    "run_matrix",
+    "ScenarioResult",
     "audit",
-    "pad_sweep",
+    "cache_states",
+    "default_tol",
     "packed_loss_grad_errors",
+    "pad_sweep",
+    "run_matrix",
+    "run_scenario",
 ]
 
 SCENARIOS: tuple[str, ...] = (
@@ -370,7 +371,6 @@ def _memo(ref: _ModelIO, key: Any, compute: Callable[[], Any]) -> Any:
     return entry[1][key]
 
 
-
 def _alone_full(ref: _ModelIO, ids: Tensor) -> Tensor:
     """``[L]`` ids alone, full forward without cache -> ``[L, V]`` logits."""
     logits, _ = ref(ids[None], position_ids=torch.arange(ids.numel())[None], use_cache=False)
@@ -505,11 +505,13 @@ def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) ->
     )
     bounds = [0, *_CHUNK_SPLITS, ids.shape[1]]
     cache, outs = None, []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         chunk_mask = mask[:, :b] if padded else None  # generate()-style: past + current
         if padded and b - a == 1:
             chunk_mask = io.decode_mask(chunk_mask)
-        logits, cache = io(ids[:, a:b], attention_mask=chunk_mask, position_ids=pos[:, a:b], cache=cache, use_cache=True)
+        logits, cache = io(
+            ids[:, a:b], attention_mask=chunk_mask, position_ids=pos[:, a:b], cache=cache, use_cache=True
+        )
         outs.append(logits)
     logits = torch.cat(outs, dim=1)  # [2, 40, V]
     err = 0.0
@@ -547,7 +549,9 @@ def _scn_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> 
     ids = torch.stack(seqs)  # [2, _DT_LEN]
     with _time_step_limit([io.model, ref.model], limit):
         expected = _memo(ref, (res.name, seed), lambda: torch.stack([_alone_full(ref, s) for s in seqs]))  # [2, L, V]
-        logits, cache = io(ids[:, :_DT_PREFIX], position_ids=torch.arange(_DT_PREFIX)[None].expand(2, -1), use_cache=True)
+        logits, cache = io(
+            ids[:, :_DT_PREFIX], position_ids=torch.arange(_DT_PREFIX)[None].expand(2, -1), use_cache=True
+        )
         outs = [logits]
         for t in range(_DT_PREFIX, _DT_LEN):
             pos = torch.full((2, 1), t)
@@ -708,7 +712,7 @@ def audit(
     elif callable(model_factory_or_model):
         model = model_factory_or_model()
     else:
-        raise ValueError("model_factory_or_model: pass an nn.Module or a zero-argument callable returning one")
+        raise TypeError("model_factory_or_model: pass an nn.Module or a zero-argument callable returning one")
     model.eval()
     model_dtype = next(model.parameters()).dtype
     if reference_dtype is None:
@@ -775,7 +779,7 @@ def pad_sweep(
         try:
             _, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
             _state_errors(cache_states(cache), 0, alone_states, errs)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a raising model is a finding: its point is drawn as inf
             logger.debug("pad_sweep: model raised with %d pads: %s", n, _format_error(exc))
             errs["raised"] = math.inf
         errors.append(max(errs.values()) if errs else math.inf)
@@ -829,7 +833,7 @@ def packed_loss_grad_errors(
             ref_loss.backward()
             logits, _ = io(ids, position_ids=pos, use_cache=False, **_packed_kwargs(names[boundaries], lengths))
             starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-            loss = sum(_sum_token_loss(logits[0, a:b], ids[0, a:b]) for a, b in zip(starts[:-1], starts[1:]))
+            loss = sum(_sum_token_loss(logits[0, a:b], ids[0, a:b]) for a, b in itertools.pairwise(starts))
             loss.backward()
         ref_grads = {n: p.grad for n, p in reference_model.named_parameters() if p.grad is not None}
         grad_err, grad_scale = 0.0, 0.0

@@ -22,15 +22,15 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FAMILIES",
-    "MAMBA2_FAMILIES",
-    "MAMBA1_FAMILIES",
-    "GDN_FAMILIES",
     "CACHE_PARAMS_FAMILIES",
+    "FAMILIES",
+    "GDN_FAMILIES",
+    "MAMBA1_FAMILIES",
+    "MAMBA2_FAMILIES",
+    "find_mixers",
+    "strengthen_mixers",
     "tiny_config",
     "tiny_model",
-    "strengthen_mixers",
-    "find_mixers",
 ]
 
 #: Mamba2 / SSD mixers (multi-head scan with ``time_step_limit``).
@@ -44,7 +44,13 @@ CACHE_PARAMS_FAMILIES: tuple[str, ...] = ("mamba", "mamba2", "falcon_mamba")
 
 FAMILIES: tuple[str, ...] = MAMBA2_FAMILIES + MAMBA1_FAMILIES + GDN_FAMILIES
 
-_COMMON: dict[str, Any] = {"vocab_size": 256, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 _ATTN: dict[str, Any] = {"num_attention_heads": 4, "num_key_value_heads": 2}
 # Mamba2 mixer sizes: expand 2 -> intermediate 128 = 8 heads x 16; 2 groups of state 16; chunk 16; conv 4.
 _MAMBA2_HF = {

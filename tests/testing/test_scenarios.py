@@ -225,8 +225,12 @@ def test_audit_stock_vs_identity_wrap_and_factory():
         progress=lambda which, r: seen.append((which, r.name)),
         sweep_pads=2,
     )
-    assert seen == [("stock", "right_pad_decode"), ("stock", "left_pad_decode"),
-                    ("wrapped", "right_pad_decode"), ("wrapped", "left_pad_decode")]
+    assert seen == [
+        ("stock", "right_pad_decode"),
+        ("stock", "left_pad_decode"),
+        ("wrapped", "right_pad_decode"),
+        ("wrapped", "left_pad_decode"),
+    ]
     assert report.passed is False  # identity "wrap" keeps the stock bug
     assert [s.passed for s, _ in report.rows()] == [False, True]
     d = report.to_dict()
@@ -248,7 +252,7 @@ def test_audit_rejects_bad_wrap_fns(monkeypatch):
 
     with pytest.raises(RuntimeError, match="class-level"):
         audit(model, class_level_patch, ["left_pad_decode"])
-    with pytest.raises(ValueError, match="model_factory_or_model"):
+    with pytest.raises(TypeError, match="model_factory_or_model"):
         audit(42, None)
     assert math.isfinite(run_scenario(tiny_model("lfm2"), tiny_model("lfm2"), "packed_position_ids").max_abs_logits)
 

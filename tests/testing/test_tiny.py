@@ -37,7 +37,11 @@ def test_tiny_model_shape_and_logits(family):
     assert cfg.hidden_size == 64 and cfg.vocab_size == 256
     assert 2 <= cfg.num_hidden_layers <= 4
     assert find_mixers(model), "no SSM / linear-attention mixer"
-    attn = [n for n, m in model.named_modules() if type(m).__name__.endswith("Attention") and "Delta" not in type(m).__name__]
+    attn = [
+        n
+        for n, m in model.named_modules()
+        if type(m).__name__.endswith("Attention") and "Delta" not in type(m).__name__
+    ]
     assert bool(attn) == (family not in _ATTENTION_FREE), attn
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
