@@ -70,24 +70,26 @@ def _scan_(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _rscan_(a: Tensor, g: Tensor) -> Tensor:
-    """In place, right to left: ``g[:, t] <- g[:, t] + a[:, t] * g[:, t+1]`` for ``t = T-2 .. 0``.
+    """In place, right to left: ``g[:, t] <- g[:, t] + a[:, t+1] * g[:, t+1]`` for ``t = T-2 .. 0``.
 
-    ``a``: ``[B, T, ...]`` where ``a[:, t]`` carries ``t+1 -> t`` (``a[:, T-1]`` is unused); not
-    modified. The mirror image of :func:`_scan_`.
+    ``a``: ``[B, T, ...]`` aligned with the *source* token (``a[:, t+1]`` carries ``t+1 -> t``, so the
+    forward decays serve as they are; ``a[:, 0]`` is unused); not modified. The mirror of :func:`_scan_`.
     """
     T = g.shape[1]
     if T < 2:
         return g
-    if T % 2:  # fold the unpaired last element into its left neighbour: it is final already
-        g[:, T - 2].addcmul_(a[:, T - 2], g[:, T - 1])
     m = T // 2
-    a_even, a_odd = a[:, 0 : 2 * m : 2], a[:, 1 : 2 * m : 2]  # [B, m, ...] each
+    if T % 2:  # fold the unpaired last element into its left neighbour: it is final already
+        g[:, T - 2].addcmul_(a[:, T - 1], g[:, T - 1])
     g_even, g_odd = g[:, 0 : 2 * m : 2], g[:, 1 : 2 * m : 2]  # [B, m, ...] each
-    g_even.addcmul_(a_even, g_odd)  # pair (2k, 2k+1) -> g = g_{2k} + a_{2k} g_{2k+1}
-    _rscan_(a_even * a_odd, g_even)  # g_even now holds the result at even positions
+    g_even.addcmul_(a[:, 1 : 2 * m : 2], g_odd)  # pair (2k, 2k+1) -> g = g_{2k} + a_{2k+1} g_{2k+1}
     if m > 1:
-        # G_{2k+1} = g_{2k+1} + a_{2k+1} G_{2k+2} for 2k+2 <= 2m-2 (the last pair's odd one is final)
-        g[:, 1 : 2 * m - 2 : 2].addcmul_(a[:, 1 : 2 * m - 2 : 2], g[:, 2 : 2 * m - 1 : 2])
+        a_pair = torch.empty_like(g_even)  # [B, m, ...]: pair k carries into pair k-1 with a_{2k} a_{2k-1}
+        a_pair[:, 0].zero_()  # unused
+        torch.mul(a[:, 2 : 2 * m : 2], a[:, 1 : 2 * m - 1 : 2], out=a_pair[:, 1:])
+        _rscan_(a_pair, g_even)  # g_even now holds the result at even positions
+        # G_{2k+1} = g_{2k+1} + a_{2k+2} G_{2k+2} for 2k+2 <= 2m-2 (the last pair's odd one is final)
+        g[:, 1 : 2 * m - 2 : 2].addcmul_(a[:, 2 : 2 * m - 1 : 2], g[:, 2 : 2 * m - 1 : 2])
     return g
 
 
@@ -117,32 +119,26 @@ class _SelectiveScanFn(torch.autograd.Function):
         if h0 is not None:
             h[:, 0].addcmul_(dA[:, 0], h0)
         _scan_(dA, h)  # h: [B, T, Dm, N], the state after every token
-        del dA
         y = torch.matmul(h, Cm.unsqueeze(-1)).squeeze(-1)  # [B, T, Dm, N] @ [B, T, N, 1] -> [B, T, Dm]
         states = h[taps] if taps is not None else h.new_zeros(0, *h.shape[2:])  # [S, Dm, N]
-        ctx.save_for_backward(u, dt, A, Bm, Cm, h0, h)
-        ctx.resets, ctx.taps = resets, taps
+        ctx.save_for_backward(u, dt, A, Bm, Cm, h0, h, dA)
+        ctx.taps = taps
         ctx.set_materialize_grads(False)
         return y, states
 
     @staticmethod
     def backward(ctx, gy, gstates):  # type: ignore[override]
-        u, dt, A, Bm, Cm, h0, h = ctx.saved_tensors
-        resets, taps = ctx.resets, ctx.taps
-        T = u.shape[1]
+        u, dt, A, Bm, Cm, h0, h, dA = ctx.saved_tensors
+        taps = ctx.taps
+        Bsz, T, Dm = u.shape
+        N = A.shape[1]
         if gy is None:
             gy = torch.zeros_like(u)
         # dL/dh_t from the output at t (and from the tapped states): [B, T, Dm, 1] * [B, T, 1, N]
         G = gy.unsqueeze(-1) * Cm.unsqueeze(2)  # [B, T, Dm, N]
         if taps is not None and gstates is not None:
             G.index_put_(taps, gstates, accumulate=True)
-        # a_next[:, t] = decay of token t+1 (carries t+1 -> t); the last one is unused.
-        a_next = torch.empty_like(G)  # [B, T, Dm, N]
-        a_next[:, : T - 1] = torch.exp(dt[:, 1:].unsqueeze(-1) * A)
-        a_next[:, T - 1] = 0.0
-        if resets is not None:
-            a_next[resets[0], resets[1] - 1] = 0.0
-        _rscan_(a_next, G)  # G_t = total dL/dh_t = g_t + a_{t+1} G_{t+1}
+        _rscan_(dA, G)  # G_t = total dL/dh_t = g_t + a_{t+1} G_{t+1} (a = 0 at resets cuts the flow)
 
         du = dt * u  # [B, T, Dm]
         g_C = torch.matmul(h.transpose(-1, -2), gy.unsqueeze(-1)).squeeze(-1)  # [B,T,N,Dm] @ [B,T,Dm,1] -> [B,T,N]
@@ -151,21 +147,18 @@ class _SelectiveScanFn(torch.autograd.Function):
         g_u = g_du * dt
         g_dt = g_du * u
 
-        g_h0 = None
-        a0 = None
+        # q_t = dL/d(dt_t A) = G_t * a_t * h_{t-1}, in place in G (h_{-1} = h0; dL/dh0 = G_0 a_0)
+        q = G.mul_(dA)
+        g_h0 = q[:, 0].clone() if h0 is not None else None
+        q[:, 1:].mul_(h[:, : T - 1])
         if h0 is not None:
-            a0 = torch.exp(dt[:, 0].unsqueeze(-1) * A)  # [B, Dm, N]; token 0 is never a reset
-            g_h0 = G[:, 0] * a0
-        # q_t = dL/d(dt_t A) = G_t * a_t * h_{t-1}  (in place in G; a_t = a_next[t-1], h_{-1} = h0)
-        q = G
-        q[:, 1:].mul_(a_next[:, : T - 1]).mul_(h[:, : T - 1])
-        if h0 is not None:
-            q[:, 0].mul_(a0).mul_(h0)
+            q[:, 0].mul_(h0)
         else:
             q[:, 0].zero_()
-        del a_next
-        g_dt = g_dt + torch.einsum("btdn,dn->btd", q, A)  # [B, T, Dm]
-        g_A = torch.einsum("btdn,btd->dn", q, dt)  # [Dm, N]
+        q_d = q.view(Bsz * T, Dm, N).transpose(0, 1)  # [Dm, B*T, N]
+        g_dt = g_dt + torch.matmul(q_d, A.unsqueeze(-1)).squeeze(-1).t().reshape(Bsz, T, Dm)  # sum_n q A
+        dt_d = dt.reshape(Bsz * T, Dm).t().unsqueeze(1)  # [Dm, 1, B*T]
+        g_A = torch.matmul(dt_d, q_d).squeeze(1)  # [Dm, 1, B*T] @ [Dm, B*T, N] -> [Dm, N]
         return g_u, g_dt, g_A, g_B, g_C, g_h0, None, None
 
 
@@ -193,6 +186,11 @@ def _check_A(A: object, Dm: int) -> Tensor:
     if A.numel() and bool((A > 0).any()):
         raise ValueError("A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up")
     return A
+
+
+def _check_backend(backend: object) -> None:
+    if backend not in ("auto", "torch", "kernels"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'kernels', got {backend!r}")
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -256,6 +254,7 @@ def selective_scan(
         ``y`` ``[B, T, Dm]`` in ``u.dtype``, or a tuple ``(y, final_state?, varlen_states?)`` when
         states are requested. States are fp32 (fp64 when ``u`` is fp64).
     """
+    _check_backend(backend)
     if not isinstance(u, Tensor) or u.dim() != 3:
         raise ValueError(f"u must be a tensor of shape [B, T, Dm], got {getattr(u, 'shape', type(u).__name__)}")
     if not u.is_floating_point():
@@ -407,6 +406,7 @@ def selective_state_step(
         ``(y [B, Dm] in u.dtype, new_state [B, Dm, N] fp32)`` (fp64 when ``u`` is fp64); ``state`` is
         not modified.
     """
+    _check_backend(backend)
     if not isinstance(state, Tensor) or state.dim() != 3:
         raise ValueError(f"state must be a tensor of shape [B, Dm, N], got {getattr(state, 'shape', type(state).__name__)}")
     Bsz, Dm, N = state.shape
