@@ -415,7 +415,7 @@ def _torch_chunk(
     varlen = None
     if want_varlen:
         if seq_idx is None:
-            varlen = s  # one sequence per row: [B, H, Dk, Dv]
+            varlen = s.clone()  # one sequence per row: [B, H, Dk, Dv], not aliasing final_state
         else:
             varlen = _sequence_end_states(seq_idx, t, c, gcum, kc, vns, hs, carry, pair)
     return o, s, varlen

@@ -166,17 +166,20 @@ def test_packed_equals_per_sequence_with_gradients(per_channel, l2):
 
 
 @pytest.mark.parametrize("per_channel", GATES)
-def test_gradcheck_float64(per_channel):
+@pytest.mark.parametrize("chunk_size", [pytest.param(4, id="c4"), pytest.param(32, id="c32-subchunked")])
+def test_gradcheck_float64(per_channel, chunk_size):
     """Autograd through the chunked form is the true derivative (packed, masked, initial state)."""
-    seq_idx = seq_idx_from_lengths([[2, 4], [6]])
-    mask = torch.tensor([[True, True, False, True, True, True], [False, True, True, True, True, False]])
-    inputs = make_inputs(2, 6, 1, 3, 2, per_channel=per_channel, dtype=torch.float64, seed=13)
+    seq_idx = seq_idx_from_lengths([[7, 13], [20]])
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[0, [2, 15]] = False
+    mask[1, [0, 19]] = False
+    inputs = make_inputs(2, 20, 1, 3, 2, per_channel=per_channel, dtype=torch.float64, seed=13)
     h0 = torch.randn(2, 1, 3, 2, dtype=torch.float64)
     leaves = [x.clone().requires_grad_() for x in (*inputs, h0)]
 
     def fn(q, k, v, g, beta, init):
         o, f, vs = chunk_gated_delta_rule(
-            q, k, v, g, beta, chunk_size=4, initial_state=init, seq_idx=seq_idx, token_mask=mask,
+            q, k, v, g, beta, chunk_size=chunk_size, initial_state=init, seq_idx=seq_idx, token_mask=mask,
             use_qk_l2norm=True, return_final_state=True, return_varlen_states=True,
         )
         return o * mask[..., None, None], f, vs
