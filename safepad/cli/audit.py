@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
-from ..testing.tiny import FAMILIES, tiny_model
+from ..testing.tiny import EXTRA_FAMILIES, FAMILIES, tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--family", default=None, help=f"built-in tiny model: {', '.join(FAMILIES)} (default nemotron_h)")
+    src.add_argument(
+        "--family",
+        default=None,
+        help=f"built-in tiny model: {', '.join(FAMILIES + EXTRA_FAMILIES)} (default nemotron_h)",
+    )
     src.add_argument("--model", metavar="PATH", default=None, help="local checkpoint directory (AutoModelForCausalLM)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
@@ -84,8 +88,8 @@ def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
             parser.error(f"--model: cannot load {args.model!r} with AutoModelForCausalLM: {exc}")
         return model.to(device).eval(), os.path.basename(os.path.normpath(args.model))
     family = args.family or "nemotron_h"
-    if family not in FAMILIES:
-        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    if family not in FAMILIES + EXTRA_FAMILIES:
+        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(FAMILIES + EXTRA_FAMILIES)}")
     return tiny_model(family, dtype=dtype).to(device), f"tiny {family}"
 
 

@@ -17,6 +17,7 @@ from .scenarios import (
 )
 from .tiny import (
     CACHE_PARAMS_FAMILIES,
+    EXTRA_FAMILIES,
     FAMILIES,
     GDN_FAMILIES,
     MAMBA1_FAMILIES,
@@ -29,6 +30,7 @@ from .tiny import (
 
 __all__ = [
     "CACHE_PARAMS_FAMILIES",
+    "EXTRA_FAMILIES",
     "FAMILIES",
     "GDN_FAMILIES",
     "MAMBA1_FAMILIES",

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_PARAMS_FAMILIES",
+    "EXTRA_FAMILIES",
     "FAMILIES",
     "GDN_FAMILIES",
     "MAMBA1_FAMILIES",
@@ -43,6 +44,9 @@ GDN_FAMILIES: tuple[str, ...] = ("qwen3_next", "lfm2", "olmo_hybrid", "kimi_line
 CACHE_PARAMS_FAMILIES: tuple[str, ...] = ("mamba", "mamba2", "falcon_mamba")
 
 FAMILIES: tuple[str, ...] = MAMBA2_FAMILIES + MAMBA1_FAMILIES + GDN_FAMILIES
+#: Further text-model families with a tiny config (variants of the GDN / short-conv mixers above), not in
+#: :data:`FAMILIES` so that the 13-family matrix stays the reference set.
+EXTRA_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 256,
@@ -185,6 +189,44 @@ _TINY: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 32,
         "linear_conv_kernel_dim": 4,
     },
+    "qwen3_5_text": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
+    "qwen3_5_moe_text": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "lfm2_moe": {
+        **_ATTN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["conv", "full_attention"],
+        "num_dense_layers": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
     "kimi_linear": {
         "intermediate_size": 128,
         "moe_intermediate_size": 32,
@@ -210,14 +252,15 @@ _TINY: dict[str, dict[str, Any]] = {
 
 def _check_family(family: str) -> None:
     if family not in _TINY:
-        raise ValueError(f"family: unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+        known = ", ".join(FAMILIES + EXTRA_FAMILIES)
+        raise ValueError(f"family: unknown family {family!r}; choose one of {known}")
 
 
 def tiny_config(family: str, **overrides: Any):
     """Return the transformers config of the tiny ``family`` model; ``overrides`` replace any field.
 
     Args:
-        family: one of :data:`FAMILIES` (the transformers ``model_type``).
+        family: one of :data:`FAMILIES` or :data:`EXTRA_FAMILIES` (the transformers ``model_type``).
         **overrides: config fields to set, e.g. ``chunk_size=8`` or ``use_cache=False``.
     """
     from transformers import AutoConfig
@@ -276,7 +319,7 @@ def tiny_model(
     """Build the tiny ``family`` model in memory: ``AutoModelForCausalLM.from_config`` in eval mode.
 
     Args:
-        family: one of :data:`FAMILIES`.
+        family: one of :data:`FAMILIES` or :data:`EXTRA_FAMILIES`.
         seed: seeds both the random init and :func:`strengthen_mixers`.
         strengthen: re-initialise the mixers so padding/packing errors are visible (see module docstring).
         dtype: parameter dtype.

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from safepad.testing import (
+    EXTRA_FAMILIES,
     FAMILIES,
     GDN_FAMILIES,
     MAMBA1_FAMILIES,
@@ -29,7 +30,7 @@ def test_family_groups_partition_families():
     assert len(set(MAMBA2_FAMILIES) | set(MAMBA1_FAMILIES) | set(GDN_FAMILIES)) == 13
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + EXTRA_FAMILIES)
 def test_tiny_model_shape_and_logits(family):
     model = tiny_model(family)
     cfg = model.config
