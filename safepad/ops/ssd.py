@@ -63,6 +63,50 @@ def _exp(t: Tensor) -> Tensor:
     return torch.exp(t)
 
 
+def _intra_chunk_decay(acs: Tensor, keep: Tensor) -> Tensor:
+    """``exp(acs_l - acs_s)`` where ``keep`` (causal, same sequence), else 0: ``[b, c, H, Q, Q]``."""
+    seg = acs.unsqueeze(-1) - acs.unsqueeze(-2)  # [b, c, H, Q, Q] (l, s)
+    drop = ~keep if seg.dtype != torch.float32 else (~keep) | (seg < _FLUSH_BELOW)  # see _exp
+    return torch.exp(seg.masked_fill_(drop, float("-inf")))  # -inf above the diagonal / across boundaries
+
+
+class _IntraChunk(torch.autograd.Function):
+    """``y = (decay ⊙ C·Bᵀ) @ (dt x)`` inside each chunk, saving only the small inputs.
+
+    The ``[b, c, H, Q, Q]`` decay and score matrices are the largest tensors of the scan; they are
+    rebuilt in backward instead of being kept alive between forward and backward.
+    acs ``[b, c, H, Q]``; CB ``[b, c, G, Q, Q]``; xdt ``[b, c, H, Q, P]``; keep ``[Q, Q]`` or
+    ``[b, c, 1, Q, Q]`` bool. Returns ``[b, c, H, Q, P]``.
+    """
+
+    @staticmethod
+    def forward(ctx, acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
+        b, c, H, Q, _ = xdt.shape
+        G = CB.shape[2]
+        scores = _intra_chunk_decay(acs, keep).view(b, c, G, H // G, Q, Q)  # [b, c, G, k, Q, Q]
+        scores.mul_(CB.unsqueeze(3))
+        ctx.save_for_backward(acs, CB, xdt, keep)
+        return torch.matmul(scores.view(b, c, H, Q, Q), xdt)  # [b, c, H, Q, P]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy: Tensor):
+        acs, CB, xdt, keep = ctx.saved_tensors
+        b, c, H, Q, _ = xdt.shape
+        G = CB.shape[2]
+        k = H // G
+        decay = _intra_chunk_decay(acs, keep)  # [b, c, H, Q, Q]
+        scores = decay.view(b, c, G, k, Q, Q) * CB.unsqueeze(3)  # [b, c, G, k, Q, Q]
+        scores = scores.view(b, c, H, Q, Q)
+        g_xdt = torch.matmul(scores.transpose(-1, -2), gy)  # [b, c, H, Q, P]
+        g_scores = torch.matmul(gy, xdt.transpose(-1, -2))  # [b, c, H, Q, Q]
+        g_seg = scores.mul_(g_scores)  # [b, c, H, Q, Q] d/d(acs_l - acs_s); zero where masked
+        g_acs = g_seg.sum(-1) - g_seg.sum(-2)  # [b, c, H, Q]
+        del g_seg, scores
+        g_CB = g_scores.mul_(decay).view(b, c, G, k, Q, Q).sum(3)  # [b, c, G, Q, Q]
+        return g_acs, g_CB, g_xdt, None
+
+
 def _d_term(D: Tensor, x: Tensor) -> Tensor:
     """``D [H] | [H, P]`` times ``x [..., H, P]``."""
     Dd = D.to(x.dtype)
@@ -117,12 +161,7 @@ def _ssd_chunked(
 
     # 1. intra-chunk (diagonal blocks): y_l = sum_{s<=l, same seq} (C_l·B_s) exp(acs_l - acs_s) dt_s x_s
     CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
-    seg = acs.unsqueeze(-1) - acs.unsqueeze(-2)  # [b, c, H, Q, Q] (l, s)
-    drop = ~keep if seg.dtype != torch.float32 else (~keep) | (seg < _FLUSH_BELOW)  # see _exp
-    seg = seg.masked_fill_(drop, float("-inf"))  # -inf above the diagonal / across boundaries: exp -> 0
-    decay = torch.exp(seg)  # [b, c, H, Q, Q]
-    scores = (decay.view(b, c, G, k, Q, Q) * CB.unsqueeze(3)).view(b, c, H, Q, Q)  # [b, c, H, Q, Q]
-    y = torch.matmul(scores, xdt_c)  # [b, c, H, Q, P]
+    y = _IntraChunk.apply(acs, CB, xdt_c, keep)  # [b, c, H, Q, P]
 
     # 2. chunk states: contribution of each chunk's tokens (of the chunk's last sequence) to its end state
     last = acs[..., -1:]  # [b, c, H, 1]
