@@ -292,6 +292,40 @@ def test_padded_prefill_then_chunk_then_decode(family, side):
     assert stock_err > BROKEN
 
 
+# Not jamba: its model builds the mixers' mask with transformers' create_recurrent_attention_mask, which returns
+# None for every single-token step ("a generated token is never padding"), so no mixer of any hybrid is told.
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
+def test_masked_decode_token_leaves_its_row_untouched(family):
+    """A decode step whose mask column is 0 for one row (an idle row in a batch) must not move that row."""
+    stock, wrapped = _models(family)
+    g = _gen(12)
+    seqs = [_tokens(g, n) for n in (5, 11, 8)]
+    steps = _tokens(g, 6).view(2, 3).T  # [B, 2]: two decode tokens per row
+    idle = 1  # row 1 skips the first decode step
+
+    def run(model):
+        ids, mask, pos = _padded(seqs, "right")
+        _, cache = _run(model, ids, mask=mask, positions=pos, use_cache=True)
+        n = torch.tensor([s.numel() for s in seqs])[:, None]
+        col = torch.ones(3, 1, dtype=torch.long)
+        col[idle] = 0
+        mask = torch.cat([mask, col], 1)
+        first, cache = _run(model, steps[:, :1], mask=mask, positions=n, cache=cache, use_cache=True)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+        second, cache = _run(model, steps[:, 1:], mask=mask, positions=n + col, cache=cache, use_cache=True)
+        err = 0.0
+        for b, s in enumerate(seqs):
+            fed = steps[b] if b != idle else steps[b, 1:]
+            ref_logits, ref_states = _alone(stock, torch.cat([s, fed]), cached=True)
+            if b != idle:
+                err = max(err, _err(first[b, -1], ref_logits[-2]))
+            err = max(err, _err(second[b, -1], ref_logits[-1]), _state_err(_states(cache), b, ref_states))
+        return err
+
+    assert run(wrapped) <= TOL
+    assert _stock_error(lambda: run(stock)) > BROKEN
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "splits",
