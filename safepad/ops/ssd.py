@@ -64,10 +64,13 @@ def _exp(t: Tensor) -> Tensor:
 
 
 def _intra_chunk_decay(acs: Tensor, keep: Tensor) -> Tensor:
-    """``exp(acs_l - acs_s)`` where ``keep`` (causal, same sequence), else 0: ``[b, c, H, Q, Q]``."""
+    """``exp(acs_l - acs_s)`` where ``keep`` (causal, same sequence), else 0: ``[b, c, H, Q, Q]``.
+
+    Built in place (no autograd: only called inside ``_IntraChunk``).
+    """
     seg = acs.unsqueeze(-1) - acs.unsqueeze(-2)  # [b, c, H, Q, Q] (l, s)
     drop = ~keep if seg.dtype != torch.float32 else (~keep) | (seg < _FLUSH_BELOW)  # see _exp
-    return torch.exp(seg.masked_fill_(drop, float("-inf")))  # -inf above the diagonal / across boundaries
+    return seg.masked_fill_(drop, float("-inf")).exp_()  # -inf above the diagonal / across boundaries -> 0
 
 
 class _IntraChunk(torch.autograd.Function):
