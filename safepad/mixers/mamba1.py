@@ -81,10 +81,10 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     backend = self._safepad_backend
     cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
-    Bsz, T, _ = hidden_states.shape
+    T = hidden_states.shape[1]
     dtype = hidden_states.dtype
     mask = layout.mask
-    I = self.intermediate_size  # noqa: E741 - intermediate size
+    I = self.intermediate_size  # intermediate size
 
     if mask is not None:
         hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing

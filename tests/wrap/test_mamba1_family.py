@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _models(family: str):
     """(stock, wrapped) tiny models with identical weights; tests must leave them unchanged."""
     stock = tiny_model(family)
@@ -199,7 +200,7 @@ def test_packed_loss_and_parameter_grads_match_per_sequence(family, mode):
 
     def packed_loss(model):
         logits = model(input_ids=ids, seq_idx=seq_idx, position_ids=pos, use_cache=False).logits[0].float()
-        return sum(seq_loss(logits[a:b], ids[0, a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
+        return sum(seq_loss(logits[a:b], ids[0, a:b]) for a, b in itertools.pairwise(bounds))
 
     def grads(model, loss_fn):
         model.zero_grad(set_to_none=True)
@@ -345,7 +346,7 @@ def test_chunked_prefill_any_split_equals_one_forward(family, splits, mask):
     def run(model):
         cache, outs = None, []
         bounds = [0, *splits, ids.shape[1]]
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             m = torch.ones(2, b, dtype=torch.long) if mask == "full" else None  # past + current tokens
             pos = torch.arange(a, b)[None].expand(2, -1)
             logits, cache = _run(model, ids[:, a:b], mask=m, positions=pos, cache=cache, use_cache=True)
@@ -426,7 +427,7 @@ def test_generate_left_padded_matches_each_prompt_alone(family):
         assert torch.equal(tokens[b], ref_tokens[0])
         assert _err(logits[b], ref_logits[0]) <= TOL
     # stock left-padded generate is already right (generate() drops the mask after the prefill)
-    stock_tokens, stock_logits = generate(stock, ids, mask)
+    stock_tokens, _ = generate(stock, ids, mask)
     assert all(torch.equal(stock_tokens[b], a[0][0]) for b, a in enumerate(alone))
 
 
