@@ -1,0 +1,139 @@
+"""Benchmark: a safepad-wrapped Nemotron-H mixer vs the stock transformers 5.23 torch path, and chunked prefill.
+
+Side by side in one run:
+
+1. One Nemotron-H-shaped Mamba2 mixer layer (hidden 1024, H=16, P=64, N=64, G=2, conv 4, chunk 128) on
+   unpadded input at L=4096: forward+backward time, stock vs wrapped (same module, same weights, wrapped in
+   place after the stock timing). Target: wrapped >= 1.5x faster.
+2. Chunked prefill of 2048 tokens in 8 chunks with the cache vs one forward (wrapped model, 2 mixer layers of
+   hidden 512, one attention layer). Target: <= 1.15x the time. Against token-by-token decoding of the same 2048 tokens: >= 30x faster.
+
+    python benchmarks/bench_wrap.py            # full sizes
+    python benchmarks/bench_wrap.py --quick    # small sizes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import safepad
+
+
+def _timeit(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _mixer(hidden: int, heads: int, head_dim: int, state: int, groups: int, chunk: int):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    cfg = NemotronHConfig(
+        hidden_size=hidden, mamba_num_heads=heads, mamba_head_dim=head_dim, ssm_state_size=state, n_groups=groups,
+        chunk_size=chunk, conv_kernel=4, layers_block_type=["mamba"], vocab_size=256, num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    torch.manual_seed(0)
+    return NemotronHMamba2Mixer(cfg, layer_idx=0)
+
+
+def bench_mixer(L: int, hidden: int, repeats: int) -> tuple[float, float]:
+    mixer = _mixer(hidden, 16, 64, 64, 2, 128).train()
+    x = torch.randn(1, L, hidden, requires_grad=True)
+
+    def step():
+        mixer.zero_grad(set_to_none=True)
+        x.grad = None
+        mixer(x).float().square().mean().backward()
+
+    stock = _timeit(step, repeats)
+    holder = torch.nn.Sequential(mixer)
+    safepad.wrap(holder)
+    wrapped = _timeit(step, repeats)
+    safepad.unwrap(holder)
+    return stock, wrapped
+
+
+def _small_model(hidden: int):
+    from transformers import AutoModelForCausalLM
+
+    from safepad.testing.tiny import tiny_config
+
+    cfg = tiny_config(
+        "nemotron_h", hidden_size=hidden, mamba_num_heads=hidden * 2 // 64, mamba_head_dim=64, ssm_state_size=64,
+        n_groups=2, chunk_size=128, layers_block_type=["mamba", "attention", "mamba", "mlp"], intermediate_size=hidden * 2,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@torch.no_grad()
+def bench_prefill(T: int, n_chunks: int, hidden: int, repeats: int) -> tuple[float, float, float, float]:
+    model = safepad.wrap(_small_model(hidden))
+    ids = torch.randint(3, 250, (1, T))
+    bounds = torch.linspace(0, T, n_chunks + 1).long().tolist()
+
+    def full():
+        return model(input_ids=ids, use_cache=True).logits
+
+    def chunked():
+        cache, outs = None, []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            out = model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            outs.append(out.logits)
+        return torch.cat(outs, 1)
+
+    def tokenwise():
+        out = model(input_ids=ids[:, :1], use_cache=True)
+        cache = out.past_key_values
+        for t in range(1, T):
+            cache = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).past_key_values
+
+    err = (chunked() - full()).abs().max().item()
+    t_full = _timeit(full, repeats)
+    t_chunk = _timeit(chunked, repeats)
+    t_tok = _timeit(tokenwise, 1, warmup=0)
+    return t_full, t_chunk, t_tok, err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    L, hidden = (512, 256) if args.quick else (4096, 1024)
+    T, n_chunks, phidden = (256, 8, 128) if args.quick else (2048, 8, 512)
+
+    print(f"safepad {safepad.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    stock, wrapped = bench_mixer(L, hidden, args.repeats)
+    print(f"\nNemotron-H mixer layer fwd+bwd, hidden {hidden}, H=16 P=64 N=64 G=2, chunk 128, L={L}:")
+    print(f"  stock transformers torch path  {stock * 1e3:9.1f} ms")
+    print(f"  safepad wrapped                {wrapped * 1e3:9.1f} ms")
+
+    t_full, t_chunk, t_tok, err = bench_prefill(T, n_chunks, phidden, args.repeats)
+    print(f"\nwrapped Nemotron-H (hidden {phidden}, 2 mixer + 1 attention layers), {T} tokens:")
+    print(f"  one forward                    {t_full * 1e3:9.1f} ms")
+    print(f"  {n_chunks} chunks with the cache       {t_chunk * 1e3:9.1f} ms   (max |Δ logits| vs one forward {err:.1e})")
+    print(f"  token by token                 {t_tok * 1e3:9.1f} ms")
+
+    print("\nratios:")
+    print(f"  mixer fwd+bwd speedup vs stock at L={L}:         {stock / wrapped:6.2f}x  (target >= 1.5x)")
+    print(f"  chunked prefill time / one forward:              {t_chunk / t_full:6.2f}x  (target <= 1.15x)")
+    print(f"  chunked prefill speedup vs token-by-token:       {t_tok / t_chunk:6.1f}x  (target >= 30x)")
+
+
+if __name__ == "__main__":
+    main()
