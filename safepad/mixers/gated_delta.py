@@ -150,6 +150,7 @@ def gated_delta_mixer_forward(
             g[:, 0],  # [B, H] or [B, H, Dk]
             beta[:, 0],  # [B, H]
             use_qk_l2norm=True,
+            # the step is a few elementwise ops with no kernel (it refuses "kernels"); same math either way
             backend="torch" if backend == "kernels" else backend,
         )  # [B, H, Dv], [B, H, Dk, Dv]
         if mask is not None:  # a masked decode token leaves its row's states untouched
