@@ -508,6 +508,8 @@ def _fla_inexpressible(q: Tensor, k: Tensor, v: Tensor, per_channel: bool) -> st
         return "per-channel gates (KDA) are not FLA's gated-delta-rule kernel"
     if q.shape[1] == 0:
         return "empty sequence dimension"
+    if q.shape[-1] > 256:
+        return f"FLA's kernel takes Dk <= 256, got {q.shape[-1]}"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
         return f"FLA's kernel takes matching float16/bfloat16 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype})"
     return None

@@ -413,3 +413,15 @@ def test_fla_kernel_matches_torch_core_packed():
     (torch.where(m, ot.float(), 0).square().sum() + ft.sum()).backward()
     for a, b in zip(leaves_k, leaves_t):
         assert rms_err(a.grad, b.grad) < 3e-2
+
+
+def test_kernel_path_is_only_taken_when_exact():
+    from safepad.ops.delta_rule import _fla_inexpressible
+
+    q, k, v, g, beta = (x.to(torch.bfloat16) for x in make_inputs(1, 4, 2, 8, 4, per_channel=False))
+    assert _fla_inexpressible(q, k, v, per_channel=False) is None
+    assert "per-channel" in _fla_inexpressible(q, k, v, per_channel=True)
+    assert "float16/bfloat16" in _fla_inexpressible(q.float(), k.float(), v.float(), per_channel=False)
+    assert "empty" in _fla_inexpressible(q[:, :0], k[:, :0], v[:, :0], per_channel=False)
+    wide = torch.zeros(1, 4, 2, 320, dtype=torch.bfloat16)
+    assert "Dk <= 256" in _fla_inexpressible(wide, wide, v, per_channel=False)
