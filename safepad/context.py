@@ -27,7 +27,15 @@ from .layout.boundaries import (
     validate_seq_idx,
 )
 
-__all__ = ["CallContext", "current_context", "boundaries_from_kwargs", "resolve_seq_idx", "BOUNDARY_KWARGS"]
+__all__ = [
+    "BOUNDARY_KWARGS",
+    "CallContext",
+    "boundaries_from_kwargs",
+    "context_decode_mask",
+    "current_context",
+    "position_ids_from_seq_idx",
+    "resolve_seq_idx",
+]
 
 #: kwargs that describe packed boundaries (consumed by safepad, never needed by a recurrent mixer itself).
 BOUNDARY_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -43,6 +51,9 @@ class CallContext:
     seq_idx: Tensor | None
     shape: tuple[int, int]
     source: str = "none"
+    #: ``[B, 1]`` bool for a one-token step whose 2-D mask marks some rows' new token as padding
+    #: (transformers passes no mask to recurrent layers on one-token steps).
+    decode_mask: Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -164,6 +175,14 @@ def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
     except AttributeError:  # pragma: no cover - very old torch
         return False
+
+
+def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
+    """The model call's ``[B, 1]`` mask of a one-token step, when it marks some new tokens as padding."""
+    ctx = _CONTEXT.get()
+    if ctx is not None and ctx.decode_mask is not None and ctx.shape == tuple(shape):
+        return ctx.decode_mask
+    return None
 
 
 def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:

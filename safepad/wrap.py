@@ -243,7 +243,10 @@ class _ModelPreHook:
                     "padding as its own segment of the packed row (the safepad collator does) or pad without packing"
                 )
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
-        token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source))
+        decode_mask = None
+        if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
+            decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token is padding in some rows
+        token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
         module._safepad_tokens.append(token)
         return args, kwargs
 

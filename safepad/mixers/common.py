@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..context import resolve_seq_idx
+from ..context import context_decode_mask, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 
 __all__ = ["Layout", "prepare_layout"]
@@ -41,6 +41,8 @@ def prepare_layout(
     """
     B, T = hidden_states.shape[:2]
     seq_idx = resolve_seq_idx(module, (B, T), kwargs)
+    if attention_mask is None and T == 1:
+        attention_mask = context_decode_mask((B, T))  # transformers drops the mask on one-token steps
     mask = normalize_mask(attention_mask, (B, T))
     if seq_idx is not None and cache is not None:
         raise ValueError(

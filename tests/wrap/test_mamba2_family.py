@@ -154,3 +154,27 @@ def test_gradient_checkpointing_keeps_packed_boundaries():
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "mamba2"])
+def test_masked_decode_token_leaves_row_states_untouched(family):
+    """A one-token step whose 2-D mask marks a row's new token as padding must not move that row's states
+    (transformers hands recurrent layers no mask on one-token steps, so stock updates them)."""
+    from safepad.testing.scenarios import cache_states
+
+    stock, wrapped, _ = _models(family)
+    ck = "cache_params" if family == "mamba2" else "past_key_values"
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, -1] = 0  # row 1's decode token is padding
+    for model, expect_ok in ((wrapped, True), (stock, False)):
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+            cache = getattr(out, ck)
+            before = {k: v.clone() for k, v in cache_states(cache).items()}
+            model(input_ids=torch.tensor([[7], [0]]), attention_mask=mask, use_cache=True, **{ck: cache})
+            after = cache_states(cache)
+        held = all(torch.equal(after[k][1], before[k][1]) for k in before)
+        moved = all(not torch.equal(after[k][0], before[k][0]) for k in before)
+        assert moved
+        assert held == expect_ok
