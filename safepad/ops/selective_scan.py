@@ -20,7 +20,8 @@ The torch core (:class:`_SelectiveScanFn`) is a first-order linear recurrence ``
 solved by an in-place odd/even (Blelloch-style) parallel scan: ``log2(T)`` levels, ``O(T)`` work, and
 only products of decays in ``[0, 1]`` -- never ``exp`` of a positive number, so it stays stable when
 ``sum(dt * A)`` reaches -1e3. Forward and backward are written by hand: the backward is the reverse
-scan of the same form, so nothing of size ``[B, T, Dm, N]`` is kept beyond the states ``h``.
+scan of the same form over the saved decays, and the ``[B, T, Dm, N]`` tensors kept for it are just
+the decays and the states ``h`` (what autograd through the stock loop keeps as well).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class _SelectiveScanFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, dt, A, Bm, Cm, h0, resets, taps):  # type: ignore[override]
+        # contiguous [B, T, *] inputs make every [B, T, Dm, N] product below contiguous (views in backward)
+        u, dt, Bm, Cm = u.contiguous(), dt.contiguous(), Bm.contiguous(), Cm.contiguous()
         dA = torch.exp(dt.unsqueeze(-1) * A)  # [B, T, Dm, N], in (0, 1]
         if resets is not None:
             dA[resets] = 0.0
@@ -132,8 +135,7 @@ class _SelectiveScanFn(torch.autograd.Function):
         taps = ctx.taps
         Bsz, T, Dm = u.shape
         N = A.shape[1]
-        if gy is None:
-            gy = torch.zeros_like(u)
+        gy = torch.zeros_like(u) if gy is None else gy.contiguous()
         # dL/dh_t from the output at t (and from the tapped states): [B, T, Dm, 1] * [B, T, 1, N]
         G = gy.unsqueeze(-1) * Cm.unsqueeze(2)  # [B, T, Dm, N]
         if taps is not None and gstates is not None:
@@ -296,6 +298,8 @@ def selective_scan(
         and initial_state is None
         and not grads_to_state
         and u.dtype != torch.float64
+        # the kernel takes delta, B, C, z in u's dtype; casting them here would change the result
+        and all(t is None or t.dtype == u.dtype for t in (delta, B, C, z))
     )
     if kernel_ok and kernels.use_kernels(u, delta, A, B, C, need=("selective_scan_fn",), backend=backend):
         return _selective_scan_kernel(
@@ -304,7 +308,8 @@ def selective_scan(
     if backend == "kernels":
         raise ValueError(
             "backend='kernels' cannot express this call: mamba-ssm's selective_scan_fn has no seq_idx, token mask "
-            "or initial state, and gives no gradient through the final state; use backend='auto'"
+            "or initial state, gives no gradient through the final state, and needs delta, B, C, z in u's dtype "
+            "(fp32/fp16/bf16); use backend='auto'"
         )
 
     cdt = _compute_dtype(u)

@@ -444,3 +444,19 @@ def test_softplus_pipeline_is_the_shared_one():
     dt = F.softplus(x["delta"][0, 0] + x["delta_bias"])
     expect = ((dt * x["u"][0, 0])[:, None] * x["B"][0, 0][None] * x["C"][0, 0][None]).sum(-1)
     torch.testing.assert_close(y[0, 0], expect, rtol=1e-12, atol=1e-12)
+
+
+def test_strided_inputs_in_the_hf_layout():
+    # views of [B, X, T] tensors (the HF / mamba-ssm layout), as the mixers hand them over
+    x = make_inputs(2, 9, seed=14)
+    views = {k: (v.transpose(1, 2).contiguous().transpose(1, 2) if v is not None and v.dim() == 3 and k != "initial_state"
+                 else v) for k, v in x.items()}
+    assert not views["u"].is_contiguous()
+    views = {k: (v.clone().requires_grad_() if v is not None else None) for k, v in views.items()}
+    dense = {k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in views.items()}
+    y_v, y_d = scan(views), scan(dense)
+    torch.testing.assert_close(y_v, y_d, rtol=0, atol=0)
+    y_v.transpose(1, 2).sum().backward()
+    y_d.sum().backward()
+    for k in GRAD_KEYS:
+        torch.testing.assert_close(views[k].grad, dense[k].grad, rtol=1e-12, atol=1e-12)
