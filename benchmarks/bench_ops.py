@@ -52,7 +52,6 @@ def _inputs(L: int, seed: int = 0):
 
 
 def _run_stock(t, L: int):
-    import torch.nn.functional as F
     from transformers.models.nemotron_h import modeling_nemotron_h as nh
 
     xbc = nh.causal_conv1d_fn(t["xBC"].transpose(1, 2), t["conv_w"], t["conv_b"], activation="silu")  # [1, D, L]
@@ -157,7 +156,7 @@ def _other_benchmarks(quick: bool) -> list[str]:
         try:
             spec.loader.exec_module(mod)
             lines.extend(mod.main())
-        except Exception as e:  # noqa: BLE001 - report, do not hide, another benchmark's failure
+        except Exception as e:
             lines.append(f"{name}: failed: {type(e).__name__}: {e}")
     return lines
 

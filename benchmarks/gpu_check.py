@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from itertools import pairwise
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from safepad.ops import causal_conv1d, causal_conv1d_step, kernels, ssd_scan, ssd_step  # noqa: E402
+from safepad.ops import causal_conv1d, causal_conv1d_step, kernels, ssd_scan, ssd_step
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
 
@@ -82,16 +84,16 @@ def ssd_inputs(Bsz: int, T: int, device: str, dtype: torch.dtype, H=16, P=64, G=
     def r(*s, scale=1.0):
         return (torch.randn(*s, generator=g, device=device) * scale).to(dtype)
 
-    return dict(
-        x=r(Bsz, T, H, P),
-        dt=r(Bsz, T, H, scale=0.5) - 2.0,
-        A=-torch.rand(H, generator=g, device=device) * 4 - 0.5,
-        B=r(Bsz, T, G, N, scale=0.3),
-        C=r(Bsz, T, G, N, scale=0.3),
-        D=torch.randn(H, generator=g, device=device),
-        dt_bias=torch.randn(H, generator=g, device=device) * 0.3,
-        initial_state=torch.randn(Bsz, H, P, N, generator=g, device=device) * 0.1,
-    )
+    return {
+        "x": r(Bsz, T, H, P),
+        "dt": r(Bsz, T, H, scale=0.5) - 2.0,
+        "A": -torch.rand(H, generator=g, device=device) * 4 - 0.5,
+        "B": r(Bsz, T, G, N, scale=0.3),
+        "C": r(Bsz, T, G, N, scale=0.3),
+        "D": torch.randn(H, generator=g, device=device),
+        "dt_bias": torch.randn(H, generator=g, device=device) * 0.3,
+        "initial_state": torch.randn(Bsz, H, P, N, generator=g, device=device) * 0.1,
+    }
 
 
 def check_conv(device: str) -> list[Row]:
@@ -106,13 +108,13 @@ def check_conv(device: str) -> list[Row]:
         mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
         mask[1, 3000:] = False
         cases = {
-            "conv varlen (seq_idx)": dict(seq_idx=varlen_seq_idx(Bsz, T, 2, device)),
-            "conv init+mask+state": dict(initial_state=init, token_mask=mask, return_final_state=True, state_len=K),
+            "conv varlen (seq_idx)": {"seq_idx": varlen_seq_idx(Bsz, T, 2, device)},
+            "conv init+mask+state": {"initial_state": init, "token_mask": mask, "return_final_state": True, "state_len": K},
         }
         for name, kw in cases.items():
             with torch.no_grad():
-                out_k, tk = timed(lambda: causal_conv1d(x, w, b, activation="silu", backend="kernels", **kw))
-                out_t, tt = timed(lambda: causal_conv1d(x, w, b, activation="silu", backend="torch", **kw))
+                out_k, tk = timed(partial(causal_conv1d, x, w, b, activation="silu", backend="kernels", **kw))
+                out_t, tt = timed(partial(causal_conv1d, x, w, b, activation="silu", backend="torch", **kw))
             out_k = out_k if isinstance(out_k, tuple) else (out_k,)
             out_t = out_t if isinstance(out_t, tuple) else (out_t,)
             err = max(rel_err(a, c) for a, c in zip(out_k, out_t))
@@ -128,19 +130,19 @@ def check_scan(device: str) -> list[Row]:
         seq = varlen_seq_idx(Bsz, T, 3, device)
         mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
         mask[1, 4000:] = False
-        kw = dict(chunk_size=256, D=t["D"], dt_bias=t["dt_bias"], dt_limit=(0.01, 0.5), seq_idx=seq,
-                  initial_state=t["initial_state"], token_mask=mask, return_final_state=True)
+        kw = {"chunk_size": 256, "D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": (0.01, 0.5), "seq_idx": seq,
+                  "initial_state": t["initial_state"], "token_mask": mask, "return_final_state": True}
         args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
         with torch.no_grad():
-            (yk, fk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
-            (yt, ft), tt = timed(lambda: ssd_scan(*args, backend="torch", **kw))
+            (yk, fk), tk = timed(partial(ssd_scan, *args, backend="kernels", **kw))
+            (yt, ft), tt = timed(partial(ssd_scan, *args, backend="torch", **kw))
         m = mask[..., None, None]
         err = max(rel_err(yk.float() * m, yt.float() * m), rel_err(fk, ft))
         rows.append(Row("scan varlen+init+mask", str(dtype).removeprefix("torch."), err, TOL[dtype], tk, tt))
     t = ssd_inputs(1, T, device, torch.float32, seed=4)
     seq = varlen_seq_idx(1, T, 5, device, max_seqs=12)
-    kw = dict(chunk_size=256, D=t["D"], dt_bias=t["dt_bias"], seq_idx=seq, initial_state=t["initial_state"],
-              return_varlen_states=True)
+    kw = {"chunk_size": 256, "D": t["D"], "dt_bias": t["dt_bias"], "seq_idx": seq, "initial_state": t["initial_state"],
+              "return_varlen_states": True}
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
     with torch.no_grad():
         (yk, vk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
@@ -154,10 +156,10 @@ def check_step(device: str) -> list[Row]:
     t = ssd_inputs(8, 1, device, torch.float32)
     args = (t["initial_state"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0])
     for lim in ((0.0, float("inf")), (0.05, float("inf")), (0.0, 0.01)):
-        kw = dict(D=t["D"], dt_bias=t["dt_bias"], dt_limit=lim)
+        kw = {"D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": lim}
         with torch.no_grad():
-            (yk, sk), tk = timed(lambda: ssd_step(*args, backend="kernels", **kw))
-            (yt, st), tt = timed(lambda: ssd_step(*args, backend="torch", **kw))
+            (yk, sk), tk = timed(partial(ssd_step, *args, backend="kernels", **kw))
+            (yt, st), tt = timed(partial(ssd_step, *args, backend="torch", **kw))
         rows.append(Row(f"ssd_step dt_limit={lim}", "float32", max(rel_err(yk, yt), rel_err(sk, st)), 1e-4, tk, tt))
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(8, 1280, generator=g, device=device)
@@ -181,7 +183,7 @@ def cpu_self_check() -> list[Row]:
     y, v = ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=16, seq_idx=seq, return_varlen_states=True)
     starts = [0] + (torch.nonzero(seq[0, 1:] != seq[0, :-1]).squeeze(1) + 1).tolist() + [96]
     err = 0.0
-    for i, (s, e) in enumerate(zip(starts[:-1], starts[1:])):
+    for i, (s, e) in enumerate(pairwise(starts)):
         ys, fs = ssd_scan(t["x"][:, s:e], t["dt"][:, s:e], t["A"], t["B"][:, s:e], t["C"][:, s:e], chunk_size=16,
                           return_final_state=True)
         err = max(err, rel_err(y[:, s:e], ys), rel_err(v[i], fs[0]))
@@ -209,7 +211,7 @@ def main() -> int:
         for check in CHECKS:
             try:
                 rows.extend(check("cuda"))
-            except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
+            except Exception as e:
                 rows.append(Row(f"{check.__name__}: {type(e).__name__}: {str(e)[:60]}", "-", float("inf"), 0.0))
     print_table(rows)
     if reason is not None:

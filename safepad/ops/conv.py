@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from safepad.layout.boundaries import cu_seqlens_from_seq_idx, sequence_ids, validate_seq_idx
+from safepad.layout.boundaries import (
+    cu_seqlens_from_seq_idx,
+    sequence_ids,
+    validate_seq_idx,
+)
 
 from . import kernels
 
@@ -203,12 +207,13 @@ def causal_conv1d(
     if seq_idx is not None:
         seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
     mask = _check_token_mask(token_mask, Bsz, T)
-    if initial_state is not None:
-        if initial_state.dim() != 3 or initial_state.shape[:2] != (Bsz, D) or initial_state.shape[2] < K - 1:
-            raise ValueError(
-                f"initial_state must have shape [batch, dim, S] = [{Bsz}, {D}, S >= {K - 1}] (previous inputs, "
-                f"oldest first), got {tuple(initial_state.shape)}"
-            )
+    if initial_state is not None and (
+        initial_state.dim() != 3 or initial_state.shape[:2] != (Bsz, D) or initial_state.shape[2] < K - 1
+    ):
+        raise ValueError(
+            f"initial_state must have shape [batch, dim, S] = [{Bsz}, {D}, S >= {K - 1}] (previous inputs, "
+            f"oldest first), got {tuple(initial_state.shape)}"
+        )
     if state_len is None:
         state_len = K - 1
     if state_len < 1 and (return_final_state or return_varlen_states):
@@ -241,7 +246,7 @@ def causal_conv1d(
             activation=activation,
         ).transpose(1, 2)  # [B, T, D]
     else:
-        if backend == "kernels" and not kernel_ok:
+        if backend == "kernels":  # use_kernels already raised unless kernel_ok is False
             raise ValueError(
                 "backend='kernels': causal_conv1d_fn cannot take seq_idx together with initial_state; "
                 "use backend='auto' to route this call to the torch core"

@@ -26,12 +26,12 @@ def seq_idx_of(rows: list[list[int]]) -> torch.Tensor:
 
 def make(Bsz: int, T: int, K: int, S: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return dict(
-        x=torch.randn(Bsz, T, D_, generator=g, dtype=torch.float64),
-        w=torch.randn(D_, K, generator=g, dtype=torch.float64) * 0.5,
-        b=torch.randn(D_, generator=g, dtype=torch.float64),
-        init=torch.randn(Bsz, D_, S, generator=g, dtype=torch.float64),
-    )
+    return {
+        "x": torch.randn(Bsz, T, D_, generator=g, dtype=torch.float64),
+        "w": torch.randn(D_, K, generator=g, dtype=torch.float64) * 0.5,
+        "b": torch.randn(D_, generator=g, dtype=torch.float64),
+        "init": torch.randn(Bsz, D_, S, generator=g, dtype=torch.float64),
+    }
 
 
 def reference_packed(t, seq, activation, state_len, use_init, use_bias=True):
@@ -224,15 +224,15 @@ def _base():
 
 
 BAD = [
-    pytest.param(dict(seq_idx=torch.tensor([[0, 1, 1, 0, 2, 2]] * 2, dtype=torch.int32)), "seq_idx", id="seq-decreasing"),
-    pytest.param(dict(seq_idx=torch.zeros(2, 6)), "seq_idx", id="seq-float"),
-    pytest.param(dict(seq_idx=torch.zeros(1, 6, dtype=torch.int32)), "seq_idx", id="seq-shape"),
-    pytest.param(dict(initial_state=torch.zeros(2, D_, 2)), "initial_state", id="init-too-short"),
-    pytest.param(dict(initial_state=torch.zeros(2, D_ + 1, 3)), "initial_state", id="init-dim"),
-    pytest.param(dict(token_mask=torch.ones(2, 5, dtype=torch.bool)), "token_mask", id="mask-shape"),
-    pytest.param(dict(activation="relu"), "activation", id="activation"),
-    pytest.param(dict(return_final_state=True, state_len=0), "state_len", id="state_len"),
-    pytest.param(dict(backend="triton"), "backend", id="backend"),
+    pytest.param({"seq_idx": torch.tensor([[0, 1, 1, 0, 2, 2]] * 2, dtype=torch.int32)}, "seq_idx", id="seq-decreasing"),
+    pytest.param({"seq_idx": torch.zeros(2, 6)}, "seq_idx", id="seq-float"),
+    pytest.param({"seq_idx": torch.zeros(1, 6, dtype=torch.int32)}, "seq_idx", id="seq-shape"),
+    pytest.param({"initial_state": torch.zeros(2, D_, 2)}, "initial_state", id="init-too-short"),
+    pytest.param({"initial_state": torch.zeros(2, D_ + 1, 3)}, "initial_state", id="init-dim"),
+    pytest.param({"token_mask": torch.ones(2, 5, dtype=torch.bool)}, "token_mask", id="mask-shape"),
+    pytest.param({"activation": "relu"}, "activation", id="activation"),
+    pytest.param({"return_final_state": True, "state_len": 0}, "state_len", id="state_len"),
+    pytest.param({"backend": "triton"}, "backend", id="backend"),
 ]
 
 

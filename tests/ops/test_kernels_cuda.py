@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safepad.ops import causal_conv1d, causal_conv1d_step, ssd_scan, ssd_step
-from safepad.ops import kernels
+from safepad.ops import causal_conv1d, causal_conv1d_step, kernels, ssd_scan, ssd_step
 
 pytestmark = pytest.mark.cuda
 
@@ -44,16 +43,16 @@ def ssd_inputs(Bsz, T, H=8, P=64, G=2, N=64, dtype=torch.float32, seed=0):
     def r(*s, scale=1.0):
         return (torch.randn(*s, generator=g, device=DEV) * scale).to(dtype)
 
-    return dict(
-        x=r(Bsz, T, H, P),
-        dt=r(Bsz, T, H, scale=0.5) - 2.0,
-        A=-torch.rand(H, generator=g, device=DEV) * 4 - 0.5,
-        B=r(Bsz, T, G, N, scale=0.3),
-        C=r(Bsz, T, G, N, scale=0.3),
-        D=torch.randn(H, generator=g, device=DEV),
-        dt_bias=torch.randn(H, generator=g, device=DEV) * 0.3,
-        initial_state=torch.randn(Bsz, H, P, N, generator=g, device=DEV) * 0.1,
-    )
+    return {
+        "x": r(Bsz, T, H, P),
+        "dt": r(Bsz, T, H, scale=0.5) - 2.0,
+        "A": -torch.rand(H, generator=g, device=DEV) * 4 - 0.5,
+        "B": r(Bsz, T, G, N, scale=0.3),
+        "C": r(Bsz, T, G, N, scale=0.3),
+        "D": torch.randn(H, generator=g, device=DEV),
+        "dt_bias": torch.randn(H, generator=g, device=DEV) * 0.3,
+        "initial_state": torch.randn(Bsz, H, P, N, generator=g, device=DEV) * 0.1,
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -64,7 +63,7 @@ def test_conv_kernel_matches_torch(dtype, mode):
     x = torch.randn(Bsz, T, D, generator=g, device=DEV).to(dtype)
     w = torch.randn(D, K, generator=g, device=DEV) * 0.5
     b = torch.randn(D, generator=g, device=DEV)
-    kw = dict(activation="silu", return_final_state=True, state_len=K)
+    kw = {"activation": "silu", "return_final_state": True, "state_len": K}
     if mode == "seq_idx":
         kw["seq_idx"] = varlen_seq_idx(Bsz, T, 2)
     else:
@@ -86,8 +85,8 @@ def test_scan_kernel_matches_torch_varlen_init_mask(dtype):
     seq = varlen_seq_idx(Bsz, T, 3)
     mask = torch.ones(Bsz, T, dtype=torch.bool, device=DEV)
     mask[1, 650:] = False
-    kw = dict(chunk_size=128, D=t["D"], dt_bias=t["dt_bias"], dt_limit=(0.01, 0.5), seq_idx=seq,
-              initial_state=t["initial_state"], token_mask=mask, return_final_state=True)
+    kw = {"chunk_size": 128, "D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": (0.01, 0.5), "seq_idx": seq,
+              "initial_state": t["initial_state"], "token_mask": mask, "return_final_state": True}
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
     y_k, f_k = ssd_scan(*args, backend="kernels", **kw)
     y_t, f_t = ssd_scan(*args, backend="torch", **kw)
@@ -99,8 +98,8 @@ def test_scan_kernel_varlen_states_batch1():
     T = 900
     t = ssd_inputs(1, T)
     seq = varlen_seq_idx(1, T, 4, max_seqs=8)
-    kw = dict(chunk_size=128, D=t["D"], dt_bias=t["dt_bias"], seq_idx=seq, initial_state=t["initial_state"],
-              return_final_state=True, return_varlen_states=True)
+    kw = {"chunk_size": 128, "D": t["D"], "dt_bias": t["dt_bias"], "seq_idx": seq, "initial_state": t["initial_state"],
+              "return_final_state": True, "return_varlen_states": True}
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
     with torch.no_grad():
         y_k, f_k, v_k = ssd_scan(*args, backend="kernels", **kw)
@@ -114,7 +113,7 @@ def test_scan_kernel_varlen_states_with_grad_is_not_dropped():
     x = t["x"].requires_grad_(True)
     with pytest.raises(ValueError, match="varlen"):
         ssd_scan(x, t["dt"], t["A"], t["B"], t["C"], backend="kernels", return_varlen_states=True)
-    y, v = ssd_scan(x, t["dt"], t["A"], t["B"], t["C"], chunk_size=64, return_varlen_states=True)  # auto -> torch
+    _, v = ssd_scan(x, t["dt"], t["A"], t["B"], t["C"], chunk_size=64, return_varlen_states=True)  # auto -> torch
     assert v.shape[0] == 2
 
 
@@ -137,7 +136,7 @@ def test_scan_kernel_grads_match_torch():
 def test_step_kernels_match_torch(dt_limit):
     t = ssd_inputs(4, 1)
     args = (t["initial_state"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0])
-    kw = dict(D=t["D"], dt_bias=t["dt_bias"], dt_limit=dt_limit)
+    kw = {"D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": dt_limit}
     with torch.no_grad():
         y_k, s_k = ssd_step(*args, backend="kernels", **kw)
         y_t, s_t = ssd_step(*args, backend="torch", **kw)

@@ -39,16 +39,16 @@ def make(Bsz: int, T: int, G: int, seed: int, dtype=torch.float64, D_shape=(H,),
     def r(*s, scale=1.0):
         return (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(dtype)
 
-    return dict(
-        x=r(Bsz, T, H, P),
-        dt=r(Bsz, T, H, scale=0.7) - 1.0,
-        A=-(torch.rand(H, generator=g, dtype=torch.float64) * 2 + 0.3).to(dtype),
-        B=r(Bsz, T, G, N),
-        C=r(Bsz, T, G, N),
-        D=None if D_shape is None else r(*D_shape),
-        dt_bias=r(H, scale=0.5) if bias else None,
-        initial_state=r(Bsz, H, P, N) if init else None,
-    )
+    return {
+        "x": r(Bsz, T, H, P),
+        "dt": r(Bsz, T, H, scale=0.7) - 1.0,
+        "A": -(torch.rand(H, generator=g, dtype=torch.float64) * 2 + 0.3).to(dtype),
+        "B": r(Bsz, T, G, N),
+        "C": r(Bsz, T, G, N),
+        "D": None if D_shape is None else r(*D_shape),
+        "dt_bias": r(H, scale=0.5) if bias else None,
+        "initial_state": r(Bsz, H, P, N) if init else None,
+    }
 
 
 def reference_packed(t: dict, seq_idx: torch.Tensor, dt_limit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,7 +135,7 @@ def test_without_seq_idx_packed_rows_leak():
 def test_decode_after_prefix_equals_full_scan(dt_limit, G):
     T, prefix = 21, 13
     t = make(2, T, G, seed=11)
-    kw = dict(D=t["D"], dt_bias=t["dt_bias"], dt_limit=dt_limit)
+    kw = {"D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": dt_limit}
     y_full, fin_full = ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=8,
                                 initial_state=t["initial_state"], return_final_state=True, **kw)
     y_pre, state = ssd_scan(t["x"][:, :prefix], t["dt"][:, :prefix], t["A"], t["B"][:, :prefix],
@@ -183,7 +183,7 @@ def test_masked_layout_equals_compacted(pads, with_seq_idx):
         if with_seq_idx:  # split the real tokens into two sequences (pads join the neighbouring ones)
             cut = s + max(1, l // 2)
             seq[r, cut:] = 1
-    kw = dict(chunk_size=4, D=t["D"], dt_bias=t["dt_bias"], dt_limit=(0.05, INF))
+    kw = {"chunk_size": 4, "D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": (0.05, INF)}
     y, fin = ssd_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], seq_idx=seq if with_seq_idx else None,
                       token_mask=mask, initial_state=t["initial_state"], return_final_state=True, **kw)
     for r, (l, s) in enumerate(zip(lens, starts)):
@@ -297,18 +297,18 @@ def _base():
 
 
 BAD = [
-    pytest.param(dict(seq_idx=torch.tensor([[0, 0, 1, 1, 0, 0]] * 2, dtype=torch.int32)), "seq_idx", id="seq-decreasing"),
-    pytest.param(dict(seq_idx=torch.zeros(2, 6)), "seq_idx", id="seq-float"),
-    pytest.param(dict(seq_idx=torch.zeros(2, 5, dtype=torch.int32)), "seq_idx", id="seq-shape"),
-    pytest.param(dict(initial_state=torch.zeros(2, H, P, N + 1)), "initial_state", id="init-shape"),
-    pytest.param(dict(chunk_size=0), "chunk_size", id="chunk-0"),
-    pytest.param(dict(chunk_size=-4), "chunk_size", id="chunk-neg"),
-    pytest.param(dict(token_mask=torch.ones(2, 7, dtype=torch.bool)), "token_mask", id="mask-shape"),
-    pytest.param(dict(token_mask=torch.ones(2, 6)), "token_mask", id="mask-float"),
-    pytest.param(dict(D=torch.zeros(H + 1)), "D", id="D-shape"),
-    pytest.param(dict(dt_bias=torch.zeros(H, 1)), "dt_bias", id="dt_bias-shape"),
-    pytest.param(dict(dt_limit=(0.5, 0.1)), "dt_limit", id="dt_limit-order"),
-    pytest.param(dict(backend="cuda"), "backend", id="backend-name"),
+    pytest.param({"seq_idx": torch.tensor([[0, 0, 1, 1, 0, 0]] * 2, dtype=torch.int32)}, "seq_idx", id="seq-decreasing"),
+    pytest.param({"seq_idx": torch.zeros(2, 6)}, "seq_idx", id="seq-float"),
+    pytest.param({"seq_idx": torch.zeros(2, 5, dtype=torch.int32)}, "seq_idx", id="seq-shape"),
+    pytest.param({"initial_state": torch.zeros(2, H, P, N + 1)}, "initial_state", id="init-shape"),
+    pytest.param({"chunk_size": 0}, "chunk_size", id="chunk-0"),
+    pytest.param({"chunk_size": -4}, "chunk_size", id="chunk-neg"),
+    pytest.param({"token_mask": torch.ones(2, 7, dtype=torch.bool)}, "token_mask", id="mask-shape"),
+    pytest.param({"token_mask": torch.ones(2, 6)}, "token_mask", id="mask-float"),
+    pytest.param({"D": torch.zeros(H + 1)}, "D", id="D-shape"),
+    pytest.param({"dt_bias": torch.zeros(H, 1)}, "dt_bias", id="dt_bias-shape"),
+    pytest.param({"dt_limit": (0.5, 0.1)}, "dt_limit", id="dt_limit-order"),
+    pytest.param({"backend": "cuda"}, "backend", id="backend-name"),
 ]
 
 
