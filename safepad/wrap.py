@@ -265,11 +265,15 @@ class _ModelPreHook:
             )
         if "use_cache" in info["params"] or info["var_kwargs"]:
             kwargs["use_cache"] = False  # the config default would build a cache nobody can use
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            # an all-ones mask carries no padding, but transformers detects packing from position_ids only
+            # when no 2-D mask is given: drop it so that attention layers see the boundaries
+            kwargs["attention_mask"] = None
         if info["hybrid"] and kwargs.get("position_ids") is None and info["accepts_position_ids"]:
             kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)
         if info["packed_attention_mask"] and "attention_mask" in info["params"]:
-            mask = kwargs.get("attention_mask")
-            if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            if kwargs.get("attention_mask") is None:
                 kwargs["attention_mask"] = _packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])
 
 

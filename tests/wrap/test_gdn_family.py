@@ -341,21 +341,18 @@ def test_packed_with_explicit_cache_raises(models, how):
         assert stock(input_ids=ids, **kw).past_key_values is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="safepad.wrap's pre-hook keeps an all-ones attention_mask on packed calls; transformers then skips its "
-    "packed-sequence detection (masking_utils only reads position_ids when attention_mask is None), so the "
-    "attention layers of every hybrid see across boundaries. Fix belongs in wrap.py (drop an all-ones 2-D mask "
-    "on packed calls).",
-)
 @torch.no_grad()
 def test_packed_with_all_ones_attention_mask():
+    """An all-ones mask must not hide the packing from the attention layers (transformers reads packed
+    position_ids only when no 2-D mask is given)."""
     stock = tiny_model("qwen3_next")
     wrapped = wrap(copy.deepcopy(stock), backend="torch")
     ids, pos, _, _ = _packed_row()
     alone = torch.cat([_alone(stock, s) for s in torch.split(ids[0], [5, 7, 4])])
     out = wrapped(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
     assert (out.logits[0].float() - alone).abs().max() <= TOL
+    leaky = stock(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False)
+    assert (leaky.logits[0].float() - alone).abs().max() > 1e-3
 
 
 @torch.no_grad()
