@@ -44,7 +44,9 @@ def _inputs(L: int, seed: int = 0) -> dict[str, torch.Tensor]:
 def _hf(x: dict[str, torch.Tensor], use_mambapy: bool) -> torch.Tensor:
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
-    t = lambda v: v.transpose(1, 2)  # noqa: E731 - [B, L, X] -> [B, X, L], the HF kernel layout
+    def t(v: torch.Tensor) -> torch.Tensor:
+        return v.transpose(1, 2)  # [B, L, X] -> [B, X, L], the HF kernel layout
+
     y = mamba_selective_scan(
         t(x["u"]), t(x["delta"]), x["A"], t(x["B"]), t(x["C"]), D=x["D"], z=t(x["z"]),
         delta_bias=x["delta_bias"], delta_softplus=True, use_mambapy=use_mambapy,
@@ -87,8 +89,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     lengths = (512,) if args.quick else (512, 2048)
     reps = 1 if args.quick else args.reps
 
-    lines = [f"Mamba1 selective scan fwd+bwd, fp32, B=1 I={I_DIM} N={N_STATE}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads"]
+    lines = [
+        (
+            f"Mamba1 selective scan fwd+bwd, fp32, B=1 I={I_DIM} N={N_STATE}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads"
+        )
+    ]
     ratios = []
     for L in lengths:
         x = _inputs(L)

@@ -302,6 +302,7 @@ def selective_scan(
         and all(t is None or t.dtype == u.dtype for t in (delta, B, C, z))
     )
     if kernel_ok and kernels.use_kernels(u, delta, A, B, C, need=("selective_scan_fn",), backend=backend):
+        logger.debug("selective_scan: mamba-ssm selective_scan_fn, shape %s", tuple(u.shape))
         return _selective_scan_kernel(
             u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_final_state, return_varlen_states
         )
@@ -436,6 +437,7 @@ def selective_state_step(
     if cdt == torch.float32 and kernels.use_kernels(
         state, u, dt, A, B, C, need=("selective_state_update",), backend=backend
     ):
+        logger.debug("selective_state_step: mamba-ssm selective_state_update, shape %s", tuple(u.shape))
         new_state = state.float().clone(memory_format=torch.contiguous_format)  # the kernel updates in place
         y = kernels.selective_state_update(
             new_state, u, dt, A.float(), B, C, D=D.float() if D is not None else None, z=z,

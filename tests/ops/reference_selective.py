@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ref_selective_scan_seq", "ref_selective_scan_packed"]
+__all__ = ["ref_selective_scan_packed", "ref_selective_scan_seq"]
 
 
 def ref_selective_scan_seq(

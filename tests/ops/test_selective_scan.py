@@ -297,6 +297,7 @@ def test_stable_with_huge_decays():
     ry, rfin, _ = ref_packed({k: (v.detach().double() if v is not None else None) for k, v in x.items()},
                              torch.zeros(1, 12, dtype=torch.int32))
     torch.testing.assert_close(y.detach().double(), ry, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fin.detach().double(), rfin, rtol=1e-4, atol=1e-4)
 
 
 def test_matches_transformers_mamba_selective_scan():
@@ -304,7 +305,9 @@ def test_matches_transformers_mamba_selective_scan():
 
     x = make_inputs(2, 9, dtype=torch.float32, h0=False, seed=6)
     y, fin = scan(x, return_final_state=True)
-    t = lambda v: v.transpose(1, 2)  # noqa: E731 - [B, T, X] -> [B, X, T]
+    def t(v):
+        return v.transpose(1, 2)  # [B, T, X] -> [B, X, T]
+
     hy, hfin = mamba_selective_scan(
         t(x["u"]), t(x["delta"]), x["A"], t(x["B"]), t(x["C"]), D=x["D"], z=t(x["z"]), delta_bias=x["delta_bias"],
         delta_softplus=True, return_last_state=True,
