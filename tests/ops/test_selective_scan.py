@@ -463,3 +463,24 @@ def test_strided_inputs_in_the_hf_layout():
     y_d.sum().backward()
     for k in GRAD_KEYS:
         torch.testing.assert_close(views[k].grad, dense[k].grad, rtol=1e-12, atol=1e-12)
+
+
+def test_scan_primitives_every_length_up_to_40():
+    from safepad.ops.selective_scan import _rscan_, _scan_
+
+    g = torch.Generator().manual_seed(0)
+    for T in range(1, 41):
+        a = torch.rand(2, T, 3, generator=g, dtype=F64)
+        b = torch.randn(2, T, 3, generator=g, dtype=F64)
+        a_before = a.clone()
+        fwd, h = [], torch.zeros(2, 3, dtype=F64)
+        for t in range(T):
+            h = a[:, t] * h + b[:, t]
+            fwd.append(h)
+        rev, G = [None] * T, torch.zeros(2, 3, dtype=F64)
+        for t in reversed(range(T)):
+            G = b[:, t] + (a[:, t + 1] * G if t + 1 < T else 0.0)
+            rev[t] = G
+        torch.testing.assert_close(_scan_(a, b.clone()), torch.stack(fwd, 1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(_rscan_(a, b.clone()), torch.stack(rev, 1), rtol=1e-12, atol=1e-12)
+        assert torch.equal(a, a_before), "the decays must not be modified"
