@@ -9,8 +9,9 @@ from torch import Tensor
 
 from ..context import context_decode_mask, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
+from ..ops.conv import causal_conv1d, causal_conv1d_step
 
-__all__ = ["Layout", "prepare_layout"]
+__all__ = ["Layout", "cached_conv", "cached_conv_step", "hold_masked_rows", "prepare_layout"]
 
 
 @dataclass
@@ -61,3 +62,44 @@ def prepare_layout(
         hidden_states = compaction.gather(hidden_states)  # [B, T, C] real tokens first
         mask = compaction.mask
     return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction)
+
+
+def cached_conv(
+    x: Tensor, conv: torch.nn.Conv1d, layout: Layout, past, *, activation: str | None, want_state: bool, backend: str
+) -> tuple[Tensor, Tensor | None]:
+    """The mixer's depthwise causal conv over a chunk, continuing from the cached conv state.
+
+    ``x`` ``[B, T, D]`` -> (``y`` ``[B, T, D]``, the new cache conv state ``[B, D, K]`` or ``None`` when
+    ``want_state`` is False). The window never crosses a ``layout.seq_idx`` boundary, masked (trailing) tokens
+    are not part of the state, and ``past.conv`` (the HF cache layout) is the left context of each row.
+    """
+    weight = conv.weight.squeeze(1)  # [D, 1, K] -> [D, K]
+    out = causal_conv1d(
+        x,
+        weight,
+        conv.bias,
+        activation=activation,
+        seq_idx=layout.seq_idx,
+        initial_state=past.conv,
+        token_mask=layout.mask,
+        return_final_state=want_state,
+        state_len=weight.shape[-1],
+        backend=backend,
+    )
+    y, state = out if want_state else (out, None)  # [B, T, D], [B, D, K]
+    return y, (state.to(x.dtype) if state is not None else None)
+
+
+def cached_conv_step(
+    x: Tensor, conv: torch.nn.Conv1d, past, *, activation: str | None, backend: str
+) -> tuple[Tensor, Tensor]:
+    """One decode token through the conv: ``x`` ``[B, D]`` -> (``y`` ``[B, D]``, new conv state ``[B, D, K]``)."""
+    return causal_conv1d_step(x, past.conv, conv.weight.squeeze(1), conv.bias, activation=activation, backend=backend)
+
+
+def hold_masked_rows(mask: Tensor | None, new: Tensor, old: Tensor | None) -> Tensor:
+    """Decode: rows whose token is masked (``mask`` ``[B, 1]`` False) keep their ``old`` state ``[B, ...]``."""
+    if mask is None or old is None:
+        return new
+    keep = mask[:, 0].view(-1, *([1] * (new.dim() - 1)))  # [B, 1, ...]
+    return torch.where(keep, new, old.to(new.dtype))

@@ -44,9 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache import read_states, write_states
-from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from .common import prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +127,12 @@ def gated_delta_mixer_forward(
     beta = _beta(self, opts, hidden_states, b)  # [B, T, H]
     g = _decay(self, opts, hidden_states, a)  # [B, T, H] or [B, T, H, Dk]
 
-    weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
-    K = weight.shape[-1]
     past = read_states(cache, self.layer_idx)
     decode = past.has_previous and T == 1
 
     if decode:
-        conv_t, conv_new = causal_conv1d_step(
-            mixed[:, 0], past.conv, weight, self.conv1d.bias, activation=self.activation, backend=backend
+        conv_t, conv_new = cached_conv_step(
+            mixed[:, 0], self.conv1d, past, activation=self.activation, backend=backend
         )  # [B, conv_dim], [B, conv_dim, K]
         q, k, v = conv_t.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
         state = past.recurrent
@@ -153,27 +150,18 @@ def gated_delta_mixer_forward(
             # the step is a few elementwise ops with no kernel (it refuses "kernels"); same math either way
             backend="torch" if backend == "kernels" else backend,
         )  # [B, H, Dv], [B, H, Dk, Dv]
-        if mask is not None:  # a masked decode token leaves its row's states untouched
-            keep = mask[:, 0]
-            conv_new = torch.where(keep[:, None, None], conv_new, past.conv)
-            rec_new = torch.where(keep[:, None, None, None], rec_new, state.to(rec_new.dtype))
-        write_states(cache, self.layer_idx, conv=conv_new, recurrent=rec_new)
+        write_states(
+            cache,
+            self.layer_idx,
+            conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
+            recurrent=hold_masked_rows(mask, rec_new, state),
+        )
         o = o[:, None]  # [B, 1, H, Dv]
     else:
         want_state = cache is not None
-        conv_out = causal_conv1d(
-            mixed,
-            weight,
-            self.conv1d.bias,
-            activation=self.activation,
-            seq_idx=layout.seq_idx,
-            initial_state=past.conv,
-            token_mask=mask,
-            return_final_state=want_state,
-            state_len=K,
-            backend=backend,
-        )
-        mixed, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, conv_dim], [B, conv_dim, K]
+        mixed, conv_final = cached_conv(
+            mixed, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
+        )  # [B, T, conv_dim], [B, conv_dim, K]
         q, k, v = mixed.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
         rule_out = chunk_gated_delta_rule(
             q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
@@ -191,7 +179,7 @@ def gated_delta_mixer_forward(
         )
         o, rec_final = rule_out if want_state else (rule_out, None)  # [B, T, H, Dv], [B, H, Dk, Dv]
         if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final.to(mixed.dtype), recurrent=rec_final)
+            write_states(cache, self.layer_idx, conv=conv_final, recurrent=rec_final)
         if mask is not None:
             o = o * mask[:, :, None, None].to(o.dtype)  # pad outputs are unspecified by the op: make them 0
 

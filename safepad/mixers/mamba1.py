@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import read_states, write_states
-from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.selective_scan import selective_scan, selective_state_step
-from .common import prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
 
 __all__ = ["mamba1_mixer_forward"]
 
@@ -93,42 +92,28 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
 
     A = -torch.exp(self.A_log.float())  # [I, N]
     D = self.D.float()  # [I]
-    weight = self.conv1d.weight.squeeze(1)  # [I, 1, K] -> [I, K]
-    bias = self.conv1d.bias  # [I] or None
-    K = weight.shape[-1]
     past = read_states(cache, self.layer_idx)
 
     if past.has_previous and T == 1:
         # decode: one token per row, continuing from the cache
-        xc, conv_new = causal_conv1d_step(
-            x[:, 0], past.conv, weight, bias, activation=self.activation, backend=backend
-        )  # [B, I], [B, I, K]
+        xc, conv_new = cached_conv_step(x[:, 0], self.conv1d, past, activation=self.activation, backend=backend)
         dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, R], [B, N], [B, N]
         dt, delta_bias = _dt(self, dt_low)  # [B, I]
         y, ssm_new = selective_state_step(
             past.recurrent, xc, dt, A, Bm, Cm, D=D, z=gate[:, 0], delta_bias=delta_bias, delta_softplus=True, backend=backend
         )  # [B, I], [B, I, N]
-        if mask is not None:  # a masked decode token leaves its row's states untouched
-            keep = mask[:, 0]
-            conv_new = torch.where(keep[:, None, None], conv_new, past.conv)
-            ssm_new = torch.where(keep[:, None, None], ssm_new, past.recurrent.to(ssm_new.dtype))
-        write_states(cache, self.layer_idx, conv=conv_new, recurrent=ssm_new)
+        write_states(
+            cache,
+            self.layer_idx,
+            conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
+            recurrent=hold_masked_rows(mask, ssm_new, past.recurrent),
+        )
         y = y[:, None]  # [B, 1, I]
     else:
         want_state = cache is not None
-        conv_out = causal_conv1d(
-            x,
-            weight,
-            bias,
-            activation=self.activation,
-            seq_idx=layout.seq_idx,
-            initial_state=past.conv,
-            token_mask=mask,
-            return_final_state=want_state,
-            state_len=K,
-            backend=backend,
-        )
-        xc, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, I], [B, I, K]
+        xc, conv_final = cached_conv(
+            x, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
+        )  # [B, T, I], [B, I, K]
         dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, T, R], [B, T, N], [B, T, N]
         dt, delta_bias = _dt(self, dt_low)  # [B, T, I]
         scan_out = selective_scan(
@@ -149,7 +134,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         )
         y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, I], [B, I, N]
         if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final.to(x.dtype), recurrent=ssm_final)
+            write_states(cache, self.layer_idx, conv=conv_final, recurrent=ssm_final)
 
     out = self.out_proj(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)

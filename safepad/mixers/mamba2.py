@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache import read_states, write_states
-from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.ssd import ssd_scan, ssd_step
-from .common import prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
 
 __all__ = ["mamba2_mixer_forward"]
 
@@ -48,16 +47,12 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     gate, xBC, dt = projected.split([I, conv_dim, H], dim=-1)  # [B,T,I], [B,T,conv_dim], [B,T,H]
 
     A = -torch.exp(self.A_log.float())  # [H]
-    weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
-    K = weight.shape[-1]
     past = read_states(cache, self.layer_idx)
 
     if past.has_previous and T == 1:
         # decode: one token per row, continuing from the cache
-        xBC_t, conv_new = causal_conv1d_step(
-            xBC[:, 0], past.conv, weight, self.conv1d.bias, activation=self.activation, backend=backend
-        )  # [B, conv_dim], [B, conv_dim, K]
-        x, Bm, Cm = xBC_t.split([I, G * N, G * N], dim=-1)
+        xBC_t, conv_new = cached_conv_step(xBC[:, 0], self.conv1d, past, activation=self.activation, backend=backend)
+        x, Bm, Cm = xBC_t.split([I, G * N, G * N], dim=-1)  # [B, I], [B, G*N], [B, G*N]
         y, ssm_new = ssd_step(
             past.recurrent,
             x.reshape(Bsz, H, P),  # [B, H, P]
@@ -70,27 +65,18 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
             dt_limit=tuple(self.time_step_limit),
             backend=backend,
         )  # [B, H, P], [B, H, P, N]
-        if mask is not None:  # a masked decode token leaves its row's states untouched
-            keep = mask[:, 0]
-            conv_new = torch.where(keep[:, None, None], conv_new, past.conv)
-            ssm_new = torch.where(keep[:, None, None, None], ssm_new, past.recurrent.to(ssm_new.dtype))
-        write_states(cache, self.layer_idx, conv=conv_new, recurrent=ssm_new)
+        write_states(
+            cache,
+            self.layer_idx,
+            conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
+            recurrent=hold_masked_rows(mask, ssm_new, past.recurrent),
+        )
         y = y.reshape(Bsz, 1, I)  # [B, 1, I]
     else:
         want_state = cache is not None
-        conv_out = causal_conv1d(
-            xBC,
-            weight,
-            self.conv1d.bias,
-            activation=self.activation,
-            seq_idx=layout.seq_idx,
-            initial_state=past.conv,
-            token_mask=mask,
-            return_final_state=want_state,
-            state_len=K,
-            backend=backend,
-        )
-        xBC, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, conv_dim], [B, conv_dim, K]
+        xBC, conv_final = cached_conv(
+            xBC, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
+        )  # [B, T, conv_dim], [B, conv_dim, K]
         x, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
         scan_out = ssd_scan(
             x.reshape(Bsz, T, H, P),  # [B, T, H, P]
@@ -110,7 +96,7 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         )
         y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, H, P], [B, H, P, N]
         if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final.to(xBC.dtype), recurrent=ssm_final)
+            write_states(cache, self.layer_idx, conv=conv_final, recurrent=ssm_final)
         y = y.reshape(Bsz, T, I)  # [B, T, I]
 
     if opts.get("optional_norm_attr") and not getattr(self, opts["optional_norm_attr"]):

@@ -20,8 +20,7 @@ import logging
 from torch import Tensor
 
 from ..cache import read_states, write_states
-from ..ops.conv import causal_conv1d, causal_conv1d_step
-from .common import prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -47,32 +46,17 @@ def short_conv_mixer_forward(
     bcx = getattr(self, opts.get("in_proj", "in_proj"))(hidden_states)  # [B, T, 3 * D]
     b, c, x = bcx.chunk(3, dim=-1)  # [B, T, D] each
     u = b * x  # [B, T, D] conv input
-    weight = conv.weight.squeeze(1)  # [D, K]
-    K = weight.shape[-1]
     past = read_states(cache, self.layer_idx, recurrent=False)
 
     if past.has_previous and T == 1:
-        y, conv_new = causal_conv1d_step(u[:, 0], past.conv, weight, conv.bias, activation=activation, backend=backend)
-        if mask is not None:  # a masked decode token leaves its row's state untouched
-            conv_new = conv_new.where(mask[:, 0, None, None], past.conv)
-        write_states(cache, self.layer_idx, conv=conv_new)
+        y, conv_new = cached_conv_step(u[:, 0], conv, past, activation=activation, backend=backend)  # [B, D], [B, D, K]
+        write_states(cache, self.layer_idx, conv=hold_masked_rows(mask, conv_new, past.conv))
         y = y[:, None]  # [B, 1, D]
     else:
-        want_state = cache is not None
-        conv_out = causal_conv1d(
-            u,
-            weight,
-            conv.bias,
-            activation=activation,
-            seq_idx=layout.seq_idx,
-            initial_state=past.conv,
-            token_mask=mask,
-            return_final_state=want_state,
-            state_len=K,
-            backend=backend,
-        )
-        y, conv_final = conv_out if want_state else (conv_out, None)  # [B, T, D], [B, D, K]
-        if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final.to(u.dtype))
+        y, conv_final = cached_conv(
+            u, conv, layout, past, activation=activation, want_state=cache is not None, backend=backend
+        )  # [B, T, D], [B, D, K]
+        if conv_final is not None:
+            write_states(cache, self.layer_idx, conv=conv_final)
     out = getattr(self, opts.get("out_proj", "out_proj"))((c * y).to(dtype))  # [B, T, D]
     return layout.restore(out)
