@@ -172,14 +172,14 @@ def test_callback_validates_mode():
 
 
 # --------------------------------------------------------------------------------------- TRL padding_free
-def _sft(tmp_path, callback=None, model=None):
+def _sft(tmp_path, callback=None, model=None, bf16: bool | None = None):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, disable_tqdm=True, padding_free=True, max_length=None,
-        dataset_num_proc=None, learning_rate=1e-3,
+        dataset_num_proc=None, learning_rate=1e-3, **({} if bf16 is None else {"bf16": bf16}),
     )  # fmt: skip
     trainer = SFTTrainer(
         model=model if model is not None else make_model(),
@@ -202,10 +202,11 @@ def test_sft_padding_free_error(tmp_path):
 
 
 @needs_wrap
-def test_sft_padding_free_fix_mode_trains_and_logs(tmp_path):
+@pytest.mark.parametrize("bf16", [pytest.param(None, id="trl-default-bf16-autocast"), pytest.param(False, id="fp32")])
+def test_sft_padding_free_fix_mode_trains_and_logs(tmp_path, bf16):
     from safepad.wrap import is_wrapped
 
-    trainer = _sft(tmp_path, PaddingGuardCallback(mode="fix"))
+    trainer = _sft(tmp_path, PaddingGuardCallback(mode="fix"), bf16=bf16)
     assert is_wrapped(trainer.model) and trainer.state.global_step == 2
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["safepad/sequences_per_batch"] == pytest.approx(2.0) for h in logged)
