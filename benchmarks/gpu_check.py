@@ -172,8 +172,37 @@ def check_step(device: str) -> list[Row]:
     return rows
 
 
-# Model-level checks (safepad.wrap) can be appended here: each is ``check(device) -> list[Row]``.
-CHECKS: list[Callable[[str], list[Row]]] = [check_conv, check_scan, check_step]
+def check_models(device: str) -> list[Row]:
+    """safepad.wrap on CUDA: kernel backend == torch backend, and the audit scenarios pass on the GPU."""
+    import copy
+
+    import safepad
+    from safepad.testing.scenarios import run_scenario
+    from safepad.testing.tiny import tiny_model
+
+    rows = []
+    for family in ("nemotron_h", "mamba2", "jamba", "qwen3_next"):
+        stock = tiny_model(family).to(device)
+        on_kernels = safepad.wrap(copy.deepcopy(stock), backend="auto")
+        on_torch = safepad.wrap(copy.deepcopy(stock), backend="torch")
+        lens = [1, 17, 40, 130, 7]
+        ids = torch.randint(3, 250, (1, sum(lens)), device=device)
+        seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lens)])[None].to(device)
+        with torch.no_grad():
+            yk, tk = timed(lambda: on_kernels(input_ids=ids, seq_idx=seq_idx).logits)
+            yt, tt = timed(lambda: on_torch(input_ids=ids, seq_idx=seq_idx).logits)
+        rows.append(Row(f"wrap {family}: packed logits", "float32", rel_err(yk, yt), TOL[torch.float32], tk, tt))
+        ref = copy.deepcopy(stock)
+        for scenario in ("packed_seq_idx", "right_pad_decode", "chunked_prefill_pad", "decode_dt_max", "generate"):
+            res = run_scenario(on_kernels, ref, scenario, tol=1e-3)
+            if res.applicable:
+                err = float("inf") if res.max_error is None else res.max_error
+                rows.append(Row(f"wrap {family}: {scenario} vs alone", "float32", err, 1e-3))
+    return rows
+
+
+# Each check is ``check(device) -> list[Row]``; model-level checks (safepad.wrap) come last.
+CHECKS: list[Callable[[str], list[Row]]] = [check_conv, check_scan, check_step, check_models]
 
 
 def cpu_self_check() -> list[Row]:
