@@ -31,7 +31,7 @@ check_transformers_version()
 
 # ``wrap`` and ``guard`` are both submodules and functions: bind the functions eagerly, here, so that the
 # package attribute is the function whatever imports the submodule later.
-from .guard import GuardHandle, guard  # noqa: E402
+from .guard import GuardHandle, SSMInfo, find_ssm_layers, get_guard, guard  # noqa: E402
 from .wrap import is_wrapped, supported_model_types, unwrap, wrap  # noqa: E402
 
 # The collators and the Trainer callback pull in datasets / the Trainer: import them on first use.
@@ -46,6 +46,9 @@ _LAZY = {
 __all__ = [
     "__version__",
     "GuardHandle",
+    "SSMInfo",
+    "find_ssm_layers",
+    "get_guard",
     "guard",
     "PaddingError",
     "PaddingWarning",
