@@ -150,10 +150,10 @@ def _conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor 
         seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
     y = xp[:, K - 1 :] * weight[:, K - 1]  # [B, T, D] the current token
     for k in range(K - 1):  # K is the (tiny) kernel width; y[t] += w[:, k] * x[t - (K-1-k)]
-        term = xp[:, k : k + T] * weight[:, k]  # [B, T, D]
+        src = xp[:, k : k + T]  # [B, T, D]
         if seq_idx is not None:
-            term = term * (seqp[:, k : k + T] == seq_idx).unsqueeze(-1).to(x.dtype)  # [B, T, D]
-        y = y + term
+            src = src * (seqp[:, k : k + T] == seq_idx).unsqueeze(-1).to(x.dtype)  # [B, T, D] same sequence only
+        y = torch.addcmul(y, src, weight[:, k])  # [B, T, D]
     return y if bias is None else y + bias
 
 
