@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .callback import KIND_TOKENIZER, PaddingGuardCallback
+from .callback import KIND_DROPPED_BOUNDARIES, KIND_TOKENIZER, PaddingGuardCallback
 
-__all__ = ["KIND_TOKENIZER", "PaddingGuardCallback"]
+__all__ = ["KIND_DROPPED_BOUNDARIES", "KIND_TOKENIZER", "PaddingGuardCallback"]

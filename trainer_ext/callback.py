@@ -9,6 +9,7 @@ statistics to the Trainer's logs at every logging step::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -20,9 +21,10 @@ from safepad.guard import GUARD_MODES, GuardHandle, get_guard, guard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KIND_TOKENIZER", "PaddingGuardCallback"]
+__all__ = ["KIND_DROPPED_BOUNDARIES", "KIND_TOKENIZER", "PaddingGuardCallback"]
 
 KIND_TOKENIZER = "right_padding_tokenizer"
+KIND_DROPPED_BOUNDARIES = "dropped_boundary_columns"
 
 
 def _padding_side(processing_class: Any) -> str | None:
@@ -79,6 +81,7 @@ class PaddingGuardCallback(TrainerCallback):
         else:
             self.handle, self._owns_handle = guard(model, self.mode, collect_stats=self.log_stats), True
             self.handle.installed_by = type(self).__name__
+        self._check_boundary_columns(args, model, kwargs.get("train_dataloader"))
         if self.handle.info is None or self.handle.mode == "fix" or self.handle.is_wrapped():
             return  # nothing to warn about, or the guard wraps the model before any forward that needs it
         tokenizer = processing_class if processing_class is not None else kwargs.get("tokenizer")
@@ -93,6 +96,39 @@ class PaddingGuardCallback(TrainerCallback):
             if KIND_TOKENIZER not in self.handle.warned:
                 self.handle.warned.add(KIND_TOKENIZER)
                 warnings.warn(PaddingWarning(msg, KIND_TOKENIZER), stacklevel=2)
+
+    def _check_boundary_columns(self, args, model, dataloader) -> None:
+        """Warn when Trainer's column filter removed pack_dataset's boundary columns before collation.
+
+        ``remove_unused_columns`` keeps only the columns ``model.forward`` names. Mamba, Mamba2 and FalconMamba
+        take no ``position_ids``, so a packed dataset loses both ``seq_lengths`` and ``position_ids`` and the
+        packing collator would read every packed row as one sequence.
+        """
+        if dataloader is None or not getattr(args, "remove_unused_columns", False):
+            return
+        collate = getattr(dataloader, "collate_fn", None)
+        collate = getattr(collate, "data_collator", collate)  # transformers' RemoveColumnsCollator
+        from collators import DataCollatorForPackedSSM
+
+        if not isinstance(collate, DataCollatorForPackedSSM):
+            return
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if "position_ids" in inspect.signature(base.forward).parameters:
+            return
+        columns = getattr(getattr(dataloader, "dataset", None), "column_names", None)
+        if columns is None or {"seq_lengths", "position_ids"} & set(columns):
+            return
+        msg = (
+            f"safepad: Trainer's remove_unused_columns keeps only the columns {type(base).__name__}.forward names, "
+            "and it takes no position_ids: the seq_lengths / position_ids columns of a pack_dataset dataset are "
+            "dropped before collation, so DataCollatorForPackedSSM reads each packed row as ONE sequence and state "
+            "leaks between the examples packed into it. Fix: TrainingArguments(remove_unused_columns=False). "
+            "(Datasets with one example per row are unaffected.)"
+        )
+        logger.warning("%s", msg)
+        if KIND_DROPPED_BOUNDARIES not in self.handle.warned:
+            self.handle.warned.add(KIND_DROPPED_BOUNDARIES)
+            warnings.warn(PaddingWarning(msg, KIND_DROPPED_BOUNDARIES), stacklevel=3)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self.log_stats or self.handle is None or logs is None:

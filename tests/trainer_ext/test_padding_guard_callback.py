@@ -266,3 +266,32 @@ def test_stale_callback_guard_is_replaced_user_guard_is_kept(tmp_path):
         run(tmp_path, flattening(False), callback=PaddingGuardCallback(mode="warn"), model=model)
     assert get_guard(model) is user
     user.remove()
+
+
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_warns_when_trainer_drops_pack_dataset_boundaries(tmp_path, remove_unused_columns):
+    """Mamba2ForCausalLM.forward takes no position_ids: Trainer's column filter drops pack_dataset's boundary
+    columns and every packed row would collate as one sequence. The callback says so (and only then)."""
+    import warnings as _warnings
+
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+    from trainer_ext import KIND_DROPPED_BOUNDARIES
+
+    model = safepad.wrap(tiny_model("mamba2")).train()
+    packed = safepad.pack_dataset(Dataset.from_list(make_examples(8)), max_length=32)
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1, remove_unused_columns=remove_unused_columns),
+        train_dataset=packed,
+        data_collator=safepad.DataCollatorForPackedSSM(),
+        callbacks=[safepad.PaddingGuardCallback(mode="warn")],
+    )
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        trainer.train()
+    kinds = [getattr(w.message, "kind", None) for w in caught if issubclass(w.category, safepad.PaddingWarning)]
+    assert (KIND_DROPPED_BOUNDARIES in kinds) == remove_unused_columns
