@@ -204,7 +204,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int] | str]:
     args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     tokenizer = ByteTokenizer()
     turns = _turn_ids(tokenizer)
     stock = tiny_model(args.family, seed=args.seed, vocab_size=VOCAB_SIZE)

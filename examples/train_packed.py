@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    # on CPU, processes on one machine share its cores: one set of threads each, not all cores each
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if "OMP_NUM_THREADS" not in os.environ:
+        # processes on one machine share its cores: give each its share, not all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     datasets.disable_progress_bars()
     logging.getLogger("transformers").setLevel(
         logging.ERROR
