@@ -34,9 +34,7 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
     padding_side = "right"
 
-    def encode(
-        self, text: str, add_bos: bool = True, add_eos: bool = True
-    ) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         ids = [b + OFFSET for b in text.encode("utf-8")]
         return ([BOS_ID] if add_bos else []) + ids + ([EOS_ID] if add_eos else [])
 
@@ -45,9 +43,7 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def stdlib_docstrings(
-    max_docs: int = 3000, min_chars: int = 16, max_chars: int = 6000
-) -> list[str]:
+def stdlib_docstrings(max_docs: int = 3000, min_chars: int = 16, max_chars: int = 6000) -> list[str]:
     """Module, class and function docstrings of the stdlib's top-level ``.py`` files, in a fixed order.
 
     Files are read in sorted order and docstrings in source order, so the list is deterministic for a
@@ -62,16 +58,12 @@ def stdlib_docstrings(
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         for node in ast.walk(tree):
-            if isinstance(
-                node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-            ):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
                 if doc and len(doc) >= min_chars:
                     docs.append(doc[:max_chars])
                     if len(docs) >= max_docs:
                         return docs
     if not docs:
-        raise RuntimeError(
-            f"no docstrings found under {root}; is the Python standard library installed?"
-        )
+        raise RuntimeError(f"no docstrings found under {root}; is the Python standard library installed?")
     return docs

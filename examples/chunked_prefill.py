@@ -62,10 +62,7 @@ CONVERSATIONS: list[list[str]] = [
 
 def _turn_ids(tokenizer: ByteTokenizer) -> list[list[list[int]]]:
     """Token ids of every turn of every conversation; the first turn starts with bos."""
-    return [
-        [tokenizer.encode(t, add_bos=k == 0, add_eos=False) for k, t in enumerate(conv)]
-        for conv in CONVERSATIONS
-    ]
+    return [[tokenizer.encode(t, add_bos=k == 0, add_eos=False) for k, t in enumerate(conv)] for conv in CONVERSATIONS]
 
 
 class _Runner:
@@ -73,9 +70,7 @@ class _Runner:
 
     def __init__(self, model: torch.nn.Module, family: str) -> None:
         self.model = model
-        self.cache_kw = (
-            "cache_params" if family in CACHE_PARAMS_FAMILIES else "past_key_values"
-        )
+        self.cache_kw = "cache_params" if family in CACHE_PARAMS_FAMILIES else "past_key_values"
 
     @torch.no_grad()
     def __call__(self, ids, mask=None, cache=None, use_cache=True):
@@ -84,15 +79,11 @@ class _Runner:
         if mask is not None:
             kwargs["attention_mask"] = mask
             if self.cache_kw == "past_key_values":
-                kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[
-                    :, -ids.shape[1] :
-                ]  # [B, T]
+                kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]  # [B, T]
         if cache is not None:
             kwargs[self.cache_kw] = cache
         out = self.model(**kwargs)
-        return out.logits.float(), getattr(
-            out, self.cache_kw, None
-        ) if use_cache else None
+        return out.logits.float(), getattr(out, self.cache_kw, None) if use_cache else None
 
 
 def _greedy(logits: torch.Tensor) -> int:
@@ -110,9 +101,7 @@ def reference(ref: _Runner, turns: list[list[list[int]]], new_tokens: int):
         logits, _ = ref(ids, use_cache=False)
         _, cache = ref(ids, use_cache=True)
         tokens, seq = [], ids
-        for _ in range(
-            new_tokens
-        ):  # full forwards only: no decode path in the reference
+        for _ in range(new_tokens):  # full forwards only: no decode path in the reference
             tokens.append(_greedy(ref(seq, use_cache=False)[0][0, -1]))
             seq = torch.cat([seq, torch.tensor([[tokens[-1]]])], dim=1)
         out.append((logits[0], cache_states(cache), tokens))
@@ -130,36 +119,26 @@ def chunked(run: _Runner, turns: list[list[list[int]]], new_tokens: int):
     real_logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     for k in range(len(turns[0])):
         width = max(len(conv[k]) for conv in turns)
-        ids = torch.full(
-            (batch, width), PAD_ID, dtype=torch.long
-        )  # [B, T_k], right-padded
+        ids = torch.full((batch, width), PAD_ID, dtype=torch.long)  # [B, T_k], right-padded
         chunk_mask = torch.zeros(batch, width, dtype=torch.long)
         for b, conv in enumerate(turns):
             ids[b, : len(conv[k])] = torch.tensor(conv[k])
             chunk_mask[b, : len(conv[k])] = 1
-        mask = torch.cat(
-            [mask, chunk_mask], dim=1
-        )  # [B, past + T_k]: generate()'s convention
+        mask = torch.cat([mask, chunk_mask], dim=1)  # [B, past + T_k]: generate()'s convention
         logits, cache = run(ids, mask, cache)
         for b, conv in enumerate(turns):
             real_logits[b].append(logits[b, : len(conv[k])])
     states = cache_states(cache)
     generated: list[list[int]] = [[] for _ in range(batch)]
-    step_logits = [
-        torch.cat(rows)[-1] for rows in real_logits
-    ]  # [V] at each row's last real token
+    step_logits = [torch.cat(rows)[-1] for rows in real_logits]  # [V] at each row's last real token
     for step in range(new_tokens):
         for b in range(batch):
             generated[b].append(_greedy(step_logits[b]))
         if step + 1 == new_tokens:
             break
         tok = torch.tensor([[g[-1]] for g in generated])  # [B, 1]
-        mask = torch.cat(
-            [mask, torch.ones(batch, 1, dtype=torch.long)], dim=1
-        )  # [B, past + 1]
-        logits, cache = run(
-            tok, mask if run.cache_kw == "past_key_values" else None, cache
-        )
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)  # [B, past + 1]
+        logits, cache = run(tok, mask if run.cache_kw == "past_key_values" else None, cache)
         step_logits = [logits[b, -1] for b in range(batch)]
     return [torch.cat(rows) for rows in real_logits], states, generated
 
@@ -185,8 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--family",
         default="nemotron_h",
-        help=f"tiny model family with a cache (default nemotron_h; "
-        f"Mamba2 family: {', '.join(MAMBA2_FAMILIES)})",
+        help=f"tiny model family with a cache (default nemotron_h; Mamba2 family: {', '.join(MAMBA2_FAMILIES)})",
     )
     p.add_argument(
         "--new-tokens",
@@ -210,9 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int] | 
     wrapped = safepad.wrap(copy.deepcopy(stock))
 
     lengths = [[len(t) for t in conv] for conv in turns]
-    print(
-        f"model: tiny {args.family} (mixers strengthened), {len(turns)} conversations, turn lengths {lengths}"
-    )
+    print(f"model: tiny {args.family} (mixers strengthened), {len(turns)} conversations, turn lengths {lengths}")
     ref_out = reference(_Runner(stock, args.family), turns, args.new_tokens)
     results: dict[str, tuple[float, float, int] | str] = {}
     generated: list[list[int]] = []
@@ -223,30 +199,22 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int] | 
             if model is wrapped:
                 raise
             # stock mamba / falcon_mamba cannot take generate()'s full-length mask in a chunked prefill
-            results[name] = (
-                f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
-            )
+            results[name] = f"raises {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
             continue
         results[name] = compare(got, ref_out)
         generated = got[2]  # the wrapped model's, printed below
 
     total = args.new_tokens * len(turns)
-    print(
-        f"\n{'':14s}{'max |Δ logits|':>16s}{'cached state |Δ|':>18s}{'greedy tokens = alone':>24s}"
-    )
+    print(f"\n{'':14s}{'max |Δ logits|':>16s}{'cached state |Δ|':>18s}{'greedy tokens = alone':>24s}")
     for name, result in results.items():
         if isinstance(result, str):
             print(f"{name:14s}  {result}")
             continue
         d_logits, d_state, agree = result
         print(f"{name:14s}{d_logits:16.2e}{d_state:18.2e}{f'{agree}/{total}':>24s}")
-    print(
-        "\ngenerated from the cache by the wrapped model (random weights, so the text is noise):"
-    )
+    print("\ngenerated from the cache by the wrapped model (random weights, so the text is noise):")
     for b, gen in enumerate(generated):
-        print(
-            f"  conversation {b}: {tokenizer.decode(gen)!r}  (alone: {tokenizer.decode(ref_out[b][2])!r})"
-        )
+        print(f"  conversation {b}: {tokenizer.decode(gen)!r}  (alone: {tokenizer.decode(ref_out[b][2])!r})")
     return results
 
 

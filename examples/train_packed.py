@@ -119,12 +119,8 @@ class _ProgressPrinter(TrainerCallback):
         elapsed = time.perf_counter() - self.start
         # the DataLoader runs one batch ahead: the batches of the steps done so far are the first global_step
         done = state.global_step
-        tokens = (
-            sum(self.counter.real_tokens[:done]) * self.world_size
-        )  # rank 0's count, scaled (printing only)
-        fill = sum(self.counter.real_tokens[:done]) / max(
-            1, sum(self.counter.row_tokens[:done])
-        )
+        tokens = sum(self.counter.real_tokens[:done]) * self.world_size  # rank 0's count, scaled (printing only)
+        fill = sum(self.counter.real_tokens[:done]) / max(1, sum(self.counter.row_tokens[:done]))
         print(
             f"step {done:4d}  loss {logs['loss']:.4f}  real tokens/s {tokens / elapsed:8.0f}  fill {fill:.1%}",
             flush=True,
@@ -133,9 +129,7 @@ class _ProgressPrinter(TrainerCallback):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--max-steps", type=int, default=60, help="optimizer steps (default 60)"
-    )
+    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps (default 60)")
     p.add_argument(
         "--max-length",
         type=int,
@@ -157,8 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--family",
         default="nemotron_h",
-        help="model family (default nemotron_h; others use the "
-        "tiny configs of safepad.testing.tiny)",
+        help="model family (default nemotron_h; others use the tiny configs of safepad.testing.tiny)",
     )
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument(
@@ -171,9 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("max_steps", "max_length", "batch_size", "max_docs", "logging_steps"):
         if getattr(args, name) < 1:
-            p.error(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-            )
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 
@@ -185,24 +176,16 @@ def main(argv: list[str] | None = None) -> dict:
         # processes on one machine share its cores: give each its share, not all of them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     datasets.disable_progress_bars()
-    logging.getLogger("transformers").setLevel(
-        logging.ERROR
-    )  # "use_mamba_kernels is deprecated" and the like
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # "use_mamba_kernels is deprecated" and the like
 
     tokenizer = ByteTokenizer()
     docs = stdlib_docstrings(max_docs=args.max_docs)
-    tokenized = datasets.Dataset.from_dict(
-        {"input_ids": [tokenizer.encode(d) for d in docs]}
-    )
+    tokenized = datasets.Dataset.from_dict({"input_ids": [tokenizer.encode(d) for d in docs]})
     packed, stats = safepad.pack_dataset(tokenized, args.max_length, return_stats=True)
 
     model = safepad.wrap(build_model(args.family, args.seed))
-    counter = _CountingCollator(
-        safepad.DataCollatorForPackedSSM(pad_to_multiple_of=64, pad_token_id=PAD_ID)
-    )
-    output_dir = args.output_dir or os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), "safepad-train-packed"
-    )
+    counter = _CountingCollator(safepad.DataCollatorForPackedSSM(pad_to_multiple_of=64, pad_token_id=PAD_ID))
+    output_dir = args.output_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "safepad-train-packed")
     training_args = TrainingArguments(
         output_dir=output_dir,
         max_steps=args.max_steps,
@@ -232,9 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             _ProgressPrinter(counter, world_size),
         ],
     )
-    trainer.remove_callback(
-        PrinterCallback
-    )  # _ProgressPrinter prints the lines that matter
+    trainer.remove_callback(PrinterCallback)  # _ProgressPrinter prints the lines that matter
     main_process = trainer.is_world_process_zero()
     if main_process:
         n_params = sum(p.numel() for p in model.parameters())
@@ -251,11 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     steps = trainer.state.global_step
     local_tokens = torch.tensor(sum(counter.real_tokens[:steps]), dtype=torch.int64)
-    if (
-        world_size > 1
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
+    if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(local_tokens)
     real_tokens = int(local_tokens)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -30,9 +30,7 @@ def example_env() -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
-    env.pop(
-        "WORLD_SIZE", None
-    )  # never inherit a distributed launch from the test runner
+    env.pop("WORLD_SIZE", None)  # never inherit a distributed launch from the test runner
     env.pop("LOCAL_WORLD_SIZE", None)
     return env
 
@@ -50,24 +48,14 @@ def run_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        out = (
-            (exc.stdout or b"").decode()
-            if isinstance(exc.stdout, bytes)
-            else (exc.stdout or "")
-        )
-        pytest.fail(
-            f"{' '.join(cmd)} timed out after {timeout} s; output so far:\n{out[-3000:]}"
-        )
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s; output so far:\n{out[-3000:]}")
     if proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
-def train_packed(
-    out_dir: Path, *flags: str, launcher: list[str] | None = None, timeout: float = 90.0
-) -> dict:
+def train_packed(out_dir: Path, *flags: str, launcher: list[str] | None = None, timeout: float = 90.0) -> dict:
     """Run examples/train_packed.py (optionally under ``launcher``) and return its ``train_log.json``."""
     cmd = [
         *(launcher or [sys.executable]),

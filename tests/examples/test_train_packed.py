@@ -86,6 +86,4 @@ def test_two_processes_match_one_process(tmp_path):
     assert len(one) == len(two) == 4
     assert one[-1] < one[0]  # it trained
     for step, (a, b) in enumerate(zip(one, two), start=1):
-        assert b == pytest.approx(a, rel=1e-5, abs=0), (
-            f"step {step}: 1 process {a!r} vs 2 processes {b!r}"
-        )
+        assert b == pytest.approx(a, rel=1e-5, abs=0), f"step {step}: 1 process {a!r} vs 2 processes {b!r}"
