@@ -17,9 +17,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints/tested.txt
 	@if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/pip install -q $(TORCH_SPEC); fi
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev]" -c constraints/tested.txt
 	@touch $@
 
 setup: $(VENV)/.installed

@@ -255,7 +255,7 @@ class _ModelPreHook:
         """Cache off (or raise if one was asked for), restarting position_ids and packed masks for hybrids."""
         info = self.info
         explicit = kwargs.get("use_cache") is True or any(
-            kwargs.get(k) is not None for k in ("past_key_values", "cache_params")
+            kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
         )
         if explicit and not nested:
             raise ValueError(

@@ -11,7 +11,21 @@ from ..context import context_decode_mask, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 
-__all__ = ["Layout", "cached_conv", "cached_conv_step", "hold_masked_rows", "prepare_layout"]
+__all__ = ["CACHE_KWARGS", "Layout", "cached_conv", "cached_conv_step", "hold_masked_rows", "pop_cache", "prepare_layout"]
+
+
+#: the names transformers has used for the cache argument of a mixer (5.23: cache_params / past_key_values;
+#: later releases: cache)
+CACHE_KWARGS = ("cache_params", "past_key_values", "cache")
+
+
+def pop_cache(cache, kwargs: dict):
+    """The cache of this mixer call, whichever of :data:`CACHE_KWARGS` it came under (popped from ``kwargs``)."""
+    for name in CACHE_KWARGS:
+        other = kwargs.pop(name, None)
+        if cache is None:
+            cache = other
+    return cache
 
 
 @dataclass

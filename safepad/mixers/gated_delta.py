@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def gated_delta_mixer_forward(
     """Padding/packing-correct forward of a gated-delta-rule mixer. ``hidden_states [B, T, hidden]`` -> same."""
     opts = self._safepad_spec.options
     backend = self._safepad_backend
-    cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
+    cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     Bsz, T, _ = hidden_states.shape
     dtype = hidden_states.dtype

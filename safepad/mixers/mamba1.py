@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ..cache import read_states, write_states
 from ..ops.selective_scan import selective_scan, selective_state_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 __all__ = ["mamba1_mixer_forward"]
 
@@ -78,7 +78,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     """
     opts = self._safepad_spec.options
     backend = self._safepad_backend
-    cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
+    cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     T = hidden_states.shape[1]
     dtype = hidden_states.dtype

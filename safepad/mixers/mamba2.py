@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.ssd import ssd_scan, ssd_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 __all__ = ["mamba2_mixer_forward"]
 
@@ -28,7 +28,7 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     """Padding/packing-correct forward of a Mamba2-style mixer. ``hidden_states`` ``[B, T, hidden]``."""
     opts = self._safepad_spec.options
     backend = self._safepad_backend
-    cache = cache_params if cache_params is not None else kwargs.pop("past_key_values", None)
+    cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     Bsz, T, _ = hidden_states.shape
     dtype = hidden_states.dtype

@@ -20,7 +20,7 @@ import logging
 from torch import Tensor
 
 from ..cache import read_states, write_states
-from .common import cached_conv, cached_conv_step, hold_masked_rows, prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def short_conv_mixer_forward(
     """Padding/packing-correct forward of a gated short-conv mixer. ``hidden_states [B, T, D]`` -> same."""
     opts = self._safepad_spec.options
     backend = self._safepad_backend
-    cache = past_key_values if past_key_values is not None else kwargs.pop("cache_params", None)
+    cache = pop_cache(past_key_values, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     T = hidden_states.shape[1]
     dtype = hidden_states.dtype

@@ -153,3 +153,17 @@ def test_nemotron_h_inside_a_vlm_is_wrapped_and_packed_correctly():
         err_s = (_logits(stock, ids, position_ids=pos)[0] - alone).abs().max()
         assert err_w < 1e-4, kw.keys()
         assert err_s > 1e-3
+
+
+@pytest.mark.parametrize("name", ["cache_params", "past_key_values", "cache"])
+def test_mixer_accepts_every_cache_kwarg_name(nemotron, name):
+    """transformers 5.23 hands mixers `cache_params` (or `past_key_values`); later releases call it `cache`."""
+    from transformers import DynamicCache
+
+    m = safepad.wrap(copy.deepcopy(nemotron))
+    mixer = m.model.layers[0].mixer
+    x = torch.randn(2, 6, m.config.hidden_size)
+    cache = DynamicCache(config=m.config)
+    with torch.no_grad():
+        mixer(x, **{name: cache})
+    assert cache.layers[0].has_previous_state[0]
