@@ -103,7 +103,38 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def worker(impl: str, L: int, reps: int) -> dict:
+IMPLS = ("stock", "safepad", "safepad-packed")
+
+
+def _runner(impl: str, L: int):
+    import torch
+
+    if impl == "stock":
+        return _run_stock
+    seq_idx = None
+    if impl == "safepad-packed":  # same tokens as 4 packed sequences (information only)
+        seq_idx = (torch.arange(L) * 4 // L).to(torch.int32).unsqueeze(0)  # [1, L]
+    return lambda tt, LL: _run_safepad(tt, LL, seq_idx)
+
+
+def _once(t: dict, L: int, run, backward: bool) -> float:
+    import torch
+
+    for v in ("xBC", "conv_w", "conv_b", "dt", "dt_bias", "A", "D"):
+        t[v].grad = None
+    t0 = time.perf_counter()
+    if backward:
+        y = run(t, L)
+        (y * t["gy"]).sum().backward()
+    else:
+        with torch.no_grad():
+            y = run(t, L)
+    del y
+    return time.perf_counter() - t0
+
+
+def time_worker(L: int, reps: int) -> dict:
+    """All implementations in ONE process, interleaved round by round, so load drifts hit them alike."""
     import logging
 
     import torch
@@ -111,32 +142,31 @@ def worker(impl: str, L: int, reps: int) -> dict:
     logging.disable(logging.WARNING)  # the stock path warns about missing kernels on every call
     torch.manual_seed(0)
     t = _inputs(L)
-    seq_idx = None
-    if impl == "safepad-packed":  # same tokens as 4 packed sequences (information only)
-        seq_idx = (torch.arange(L) * 4 // L).to(torch.int32).unsqueeze(0)  # [1, L]
-    run = _run_stock if impl == "stock" else (lambda tt, LL: _run_safepad(tt, LL, seq_idx))
+    runs = {impl: _runner(impl, L) for impl in IMPLS}
+    res = {impl: {"fwd": [], "fwdbwd": []} for impl in IMPLS}
+    for rnd in range(reps + 1):  # round 0 is warm-up
+        for impl, run in runs.items():
+            f, fb = _once(t, L, run, False), _once(t, L, run, True)
+            if rnd:
+                res[impl]["fwd"].append(f)
+                res[impl]["fwdbwd"].append(fb)
+    return {impl: {k: min(v) for k, v in r.items()} for impl, r in res.items()}
+
+
+def mem_worker(impl: str, L: int) -> dict:
+    """Peak RSS of one fwd+bwd above the RSS just before it (one implementation per process)."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    t = _inputs(L)
+    run = _runner(impl, L)
     base = _rss_mib()
-    fwd, fb = [], []
-    for _ in range(reps + 1):  # first iteration is warm-up
-        for v in ("xBC", "conv_w", "conv_b", "dt", "dt_bias", "A", "D"):
-            t[v].grad = None
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            _ = run(t, L)
-        t1 = time.perf_counter()
-        del _
-        t2 = time.perf_counter()
-        y = run(t, L)
-        (y * t["gy"]).sum().backward()
-        t3 = time.perf_counter()
-        del y
-        fwd.append(t1 - t0)
-        fb.append(t3 - t2)
-    return {"fwd": min(fwd[1:]), "fwdbwd": min(fb[1:]), "peak_mib": _peak_mib() - base}
+    _once(t, L, run, True)
+    return {"peak_mib": _peak_mib() - base}
 
 
-def _spawn(impl: str, L: int, reps: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, str(L), str(reps)]
+def _spawn(*args: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -156,7 +186,7 @@ def _other_benchmarks(quick: bool) -> list[str]:
         try:
             spec.loader.exec_module(mod)
             lines.extend(mod.main())
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report another benchmark's failure, do not hide it
             lines.append(f"{name}: failed: {type(e).__name__}: {e}")
     return lines
 
@@ -164,30 +194,34 @@ def _other_benchmarks(quick: bool) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small L, for a smoke test")
-    ap.add_argument("--worker", nargs=3, metavar=("IMPL", "L", "REPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--skip-others", action="store_true", help="skip the Mamba1 / Gated-DeltaNet op benchmarks")
+    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        impl, L, reps = args.worker[0], int(args.worker[1]), int(args.worker[2])
-        print(json.dumps(worker(impl, L, reps)))
+        w = args.worker
+        out = time_worker(int(w[1]), int(w[2])) if w[0] == "time" else mem_worker(w[1], int(w[2]))
+        print(json.dumps(out))
         return
     lengths = [256, 512] if args.quick else [512, 2048, 8192]
-    print(f"Mamba2 core (conv K={K} + SSD scan), B=1 H={H} P={P} N={N} G={G} chunk={CHUNK}, fp32, "
-          f"torch threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
-    hdr = f"{'L':>6} {'impl':>15} {'fwd s':>8} {'fwd+bwd s':>10} {'peak MiB':>9} {'fwd x':>7} {'f+b x':>7} {'mem ratio':>9}"
-    print(hdr)
+    print(
+        f"Mamba2 core (conv K={K} + SSD scan), B=1 H={H} P={P} N={N} G={G} chunk={CHUNK}, fp32; times: best of "
+        "interleaved rounds in one process; memory: one fwd+bwd per process"
+    )
+    print(f"{'L':>6} {'impl':>15} {'fwd s':>8} {'fwd+bwd s':>10} {'peak MiB':>9} {'fwd x':>7} {'f+b x':>7} {'mem ratio':>9}")
     summary = None
     for L in lengths:
-        reps = 3 if L <= 2048 else 2
-        res = {impl: _spawn(impl, L, reps) for impl in ("stock", "safepad", "safepad-packed")}
-        s = res["stock"]
-        for impl, r in res.items():
+        times = _spawn("time", str(L), str(3 if L <= 2048 else 2))
+        mems = {impl: _spawn("mem", impl, str(L)) for impl in IMPLS}
+        s = times["stock"]
+        for impl in IMPLS:
+            r, m = times[impl], mems[impl]["peak_mib"]
             print(
-                f"{L:>6} {impl:>15} {r['fwd']:>8.3f} {r['fwdbwd']:>10.3f} {r['peak_mib']:>9.0f} "
-                f"{s['fwd'] / r['fwd']:>6.2f}x {s['fwdbwd'] / r['fwdbwd']:>6.2f}x {r['peak_mib'] / s['peak_mib']:>9.2f}"
+                f"{L:>6} {impl:>15} {r['fwd']:>8.3f} {r['fwdbwd']:>10.3f} {m:>9.0f} "
+                f"{s['fwd'] / r['fwd']:>6.2f}x {s['fwdbwd'] / r['fwdbwd']:>6.2f}x {m / mems['stock']['peak_mib']:>9.2f}"
             )
-        summary = (L, s["fwdbwd"] / res["safepad"]["fwdbwd"], res["safepad"]["peak_mib"] / s["peak_mib"])
+        summary = (L, s["fwdbwd"] / times["safepad"]["fwdbwd"], mems["safepad"]["peak_mib"] / mems["stock"]["peak_mib"])
         sys.stdout.flush()
-    for line in _other_benchmarks(args.quick):
+    for line in [] if args.skip_others else _other_benchmarks(args.quick):
         print(line)
     L, speed, mem = summary
     print(f"ops: fwd+bwd speedup vs transformers torch path at L={L}: {speed:.2f}x, peak-mem ratio {mem:.2f}")
