@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 from . import kernels
+from .amp import fp32_core
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------
 
 
+@fp32_core
 def chunk_gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -217,6 +219,7 @@ def chunk_gated_delta_rule(
     return _pack_outputs(o, final, varlen, return_final_state, return_varlen_states)
 
 
+@fp32_core
 def gated_delta_rule_step(
     state: Tensor,
     q: Tensor,

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from safepad.layout.boundaries import validate_seq_idx
 from safepad.ops import kernels
+from safepad.ops.amp import fp32_core
 from safepad.ops.dt import process_dt
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ def _gate(y: Tensor, u: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+@fp32_core
 def selective_scan(
     u: Tensor,
     delta: Tensor,
@@ -387,6 +389,7 @@ def _selective_scan_kernel(
     return tuple(out)
 
 
+@fp32_core
 def selective_state_step(
     state: Tensor,
     u: Tensor,
