@@ -13,7 +13,13 @@ The recipe::
 Run::
 
     python examples/train_packed.py --max-steps 30
-    accelerate launch --cpu --num_processes 2 examples/train_packed.py     # DDP over gloo, unchanged
+    accelerate launch --multi_gpu --num_processes 2 examples/train_packed.py   # 2-process DDP (gloo on CPU)
+    torchrun --nproc_per_node 2 examples/train_packed.py                       # the same without accelerate
+    accelerate launch --cpu --num_processes 2 examples/train_packed.py         # runs, but as ONE process
+
+The script is unchanged under every launcher. Note that accelerate 1.15 starts a single process for
+``--cpu --num_processes 2`` (multi-CPU needs an MPI hostfile); ``--multi_gpu`` on a machine without GPUs
+starts the two processes, and ``TrainingArguments(use_cpu=True)`` makes them DDP over gloo.
 
 The script prints the training loss of every logging step and the throughput in *real* tokens per second
 (document tokens, not the collator's pad tail). With ``--output-dir`` set it also writes
