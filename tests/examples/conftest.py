@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
-def example_env() -> dict[str, str]:
+def example_env(**extra: str) -> dict[str, str]:
     """The caller's environment, offline (nothing may be downloaded) and one torch thread per process.
 
     One thread: on a shared 2-core box, intra-op threads of several processes only add contention.
+    ``extra`` entries are set last.
     """
     env = dict(os.environ)
     env.update(
@@ -32,16 +33,17 @@ def example_env() -> dict[str, str]:
     )
     env.pop("WORLD_SIZE", None)  # never inherit a distributed launch from the test runner
     env.pop("LOCAL_WORLD_SIZE", None)
+    env.update(extra)
     return env
 
 
-def run_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_script(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` from the repo root; fail the test with its output on a non-zero exit or a timeout."""
     try:
         proc = subprocess.run(
             cmd,
             cwd=ROOT,
-            env=example_env(),
+            env=example_env(**(env or {})),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -55,7 +57,13 @@ def run_script(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return proc
 
 
-def train_packed(out_dir: Path, *flags: str, launcher: list[str] | None = None, timeout: float = 90.0) -> dict:
+def train_packed(
+    out_dir: Path,
+    *flags: str,
+    launcher: list[str] | None = None,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run examples/train_packed.py (optionally under ``launcher``) and return its ``train_log.json``."""
     cmd = [
         *(launcher or [sys.executable]),
@@ -64,7 +72,7 @@ def train_packed(out_dir: Path, *flags: str, launcher: list[str] | None = None, 
         str(out_dir),
         *flags,
     ]
-    run_script(cmd, timeout)
+    run_script(cmd, timeout, env)
     with open(out_dir / "train_log.json") as f:
         return json.load(f)
 

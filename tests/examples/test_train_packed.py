@@ -68,15 +68,13 @@ def test_two_processes_match_one_process(tmp_path):
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
     ]  # fmt: skip
+    # an empty HF_HOME: no accelerate default_config.yaml of the machine (FSDP, fp16, ...) can change the launch
+    hf_home = tmp_path / "hf_home"
+    hf_home.mkdir()
     multi = train_packed(
-        tmp_path / "two",
-        *steps,
-        "--batch-size",
-        "2",
-        *SMALL,
-        launcher=launcher,
-        timeout=150.0,
-    )
+        tmp_path / "two", *steps, "--batch-size", "2", *SMALL,
+        launcher=launcher, timeout=150.0, env={"HF_HOME": str(hf_home)},
+    )  # fmt: skip
     assert multi["world_size"] == 2 and single["world_size"] == 1
     assert multi["steps"] == single["steps"] == 4
     # all-reduced over both ranks: equal only if both ranks trained on their half of every global batch
