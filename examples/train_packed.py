@@ -29,6 +29,7 @@ The script prints the training loss of every logging step and the throughput in 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -209,6 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
         dataloader_num_workers=0,
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
+        # Trainer drops dataset columns that model.forward does not take: seq_lengths always, position_ids for
+        # Mamba / Mamba2 / FalconMamba, whose forward has none. Keep them there, or every packed row would
+        # collate as ONE sequence (pack_dataset keeps only packable columns, so nothing else gets through).
+        remove_unused_columns="position_ids" in inspect.signature(model.forward).parameters,
         ddp_backend="gloo" if world_size > 1 else None,
     )
     trainer = Trainer(

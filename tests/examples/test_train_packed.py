@@ -39,6 +39,22 @@ def test_train_packed_loss_goes_down(tmp_path):
     assert all(h["safepad/pad_fraction"] == 0 for h in seen)
 
 
+def test_train_packed_mamba2_keeps_boundaries(tmp_path):
+    """Mamba2ForCausalLM.forward takes no position_ids: the example must keep the boundary columns itself.
+
+    With Trainer's default remove_unused_columns, seq_lengths and position_ids would both be dropped and
+    each packed row would collate as a single sequence (sequences per batch == rows per batch).
+    """
+    # rows of 512 tokens hold 2.6 docstrings on average (SMALL's 128-token rows hold about one)
+    flags = ("--max-length", "512", "--max-docs", "120", "--logging-steps", "1", "--seed", "0")
+    log = train_packed(tmp_path, "--family", "mamba2", "--max-steps", "2", "--batch-size", "4", *flags)
+    seen = [h["safepad/sequences_per_batch"] for h in log["log_history"] if "safepad/sequences_per_batch" in h]
+    # a step of 4 rows with the boundaries lost holds 4 + 1 sequences (the rows and the collator's pad tail)
+    # (measured: 5 and 5 with remove_unused_columns=True, 7 and 9 with the boundaries kept)
+    assert len(seen) == 2 and all(n > 4 + 1 for n in seen), seen
+    assert all(math.isfinite(h["loss"]) for h in log["log_history"] if "loss" in h)
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     """2 processes x 2 packed rows (DDP, gloo) give the same per-step losses as 1 process x 4 rows.
