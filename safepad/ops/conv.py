@@ -24,6 +24,7 @@ from safepad.layout.boundaries import (
 )
 
 from . import kernels
+from .amp import fp32_core
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ def _conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor 
     return y if bias is None else y + bias
 
 
+@fp32_core
 def causal_conv1d(
     x: Tensor,
     weight: Tensor,
@@ -271,6 +273,7 @@ def causal_conv1d(
     return out[0] if len(out) == 1 else tuple(out)
 
 
+@fp32_core
 def causal_conv1d_step(
     x: Tensor,
     conv_state: Tensor,

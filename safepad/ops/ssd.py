@@ -28,6 +28,7 @@ from torch import Tensor
 from safepad.layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 
 from . import kernels
+from .amp import fp32_core
 from .conv import check_backend
 from .dt import process_dt, validate_dt_limit
 
@@ -247,6 +248,7 @@ def _varlen_states(
     return st + w_prev[:, :, None, None] * prev[row, ci]  # [S, H, P, N]
 
 
+@fp32_core
 def ssd_scan(
     x: Tensor,
     dt: Tensor,
@@ -411,6 +413,7 @@ def _ssd_kernel(
     return tuple(out)
 
 
+@fp32_core
 def ssd_step(
     state: Tensor,
     x: Tensor,
