@@ -29,8 +29,14 @@ import torch
 from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
-from .context import CallContext, boundaries_from_kwargs, position_ids_from_seq_idx, reset_context, set_context
-from .context import current_context
+from .context import (
+    CallContext,
+    boundaries_from_kwargs,
+    current_context,
+    position_ids_from_seq_idx,
+    reset_context,
+    set_context,
+)
 from .errors import UnsupportedModelError
 from .specs.registry import MixerSpec, spec_for_module, supported_model_types
 
