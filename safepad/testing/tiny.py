@@ -67,6 +67,26 @@ _MAMBA2_HF = {
     "mamba_chunk_size": 16,
 }
 
+# Qwen3-Next / Qwen3.5 gated-delta hybrids: 2 key heads, 4 value heads of dim 16; MoE variants add 4 experts.
+_QWEN_GDN: dict[str, Any] = {
+    **_ATTN,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_QWEN_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
+
 _TINY: dict[str, dict[str, Any]] = {
     "nemotron_h": {
         **_ATTN,
@@ -155,22 +175,7 @@ _TINY: dict[str, dict[str, Any]] = {
         "time_step_rank": 8,
         "intermediate_size": 128,
     },
-    "qwen3_next": {
-        **_ATTN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
-        "head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-    },
+    "qwen3_next": {**_QWEN_GDN, **_QWEN_MOE},
     "lfm2": {
         **_ATTN,
         "intermediate_size": 128,
@@ -189,34 +194,8 @@ _TINY: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 32,
         "linear_conv_kernel_dim": 4,
     },
-    "qwen3_5_text": {
-        **_ATTN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
-        "head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-    },
-    "qwen3_5_moe_text": {
-        **_ATTN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
-        "head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-    },
+    "qwen3_5_text": dict(_QWEN_GDN),
+    "qwen3_5_moe_text": {**_QWEN_GDN, **_QWEN_MOE},
     "lfm2_moe": {
         **_ATTN,
         "intermediate_size": 128,
