@@ -26,7 +26,6 @@ def _spec(model_type: str, cls: str, *, hybrid: bool, options: dict | None = Non
         # the stock forwards force accelerate's offload hooks on both submodules they read weights from directly
         options=MappingProxyType({"accelerate_children": ("conv1d", "dt_proj"), **(options or {})}),
         hybrid=hybrid,
-        dt_limit=False,
         **kw,
     )
 

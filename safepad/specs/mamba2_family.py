@@ -18,7 +18,6 @@ def _spec(model_type: str, cls: str, *, hybrid: bool, options: dict | None = Non
         forward=mamba2_mixer_forward,
         options=MappingProxyType(options or {}),
         hybrid=hybrid,
-        dt_limit=True,
         **kw,
     )
 

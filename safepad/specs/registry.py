@@ -32,7 +32,6 @@ class MixerSpec:
         hybrid: whether the family interleaves attention layers (they need packed ``position_ids``).
         packed_attention_mask: for hybrids whose mask construction ignores ``position_ids`` (GraniteMoeHybrid):
             the mask-mapping keys to fill with a block-diagonal causal mask on packed inputs.
-        dt_limit: whether the mixer carries a ``time_step_limit`` attribute (decode scenarios with limits).
     """
 
     model_type: str
@@ -42,7 +41,6 @@ class MixerSpec:
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     hybrid: bool = False
     packed_attention_mask: tuple[str, ...] = ()
-    dt_limit: bool = False
     description: str = ""
 
 
