@@ -14,7 +14,7 @@ running a backward pass (see :func:`resolve_seq_idx`).
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -54,6 +54,8 @@ class CallContext:
     #: ``[B, 1]`` bool for a one-token step whose 2-D mask marks some rows' new token as padding
     #: (transformers passes no mask to recurrent layers on one-token steps).
     decode_mask: Tensor | None = None
+    #: per-call memo of the mask analysis, so each layer of one call does not redo it (``safepad.mixers``)
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def packed(self) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..context import context_decode_mask, resolve_seq_idx
+from ..context import context_decode_mask, current_context, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 
@@ -58,7 +58,7 @@ def prepare_layout(
     seq_idx = resolve_seq_idx(module, (B, T), kwargs)
     if attention_mask is None and T == 1:
         attention_mask = context_decode_mask((B, T))  # transformers drops the mask on one-token steps
-    mask = normalize_mask(attention_mask, (B, T))
+    mask, compaction = _analyse_mask(attention_mask, (B, T))
     if seq_idx is not None and cache is not None:
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a packed row holds several "
@@ -70,12 +70,29 @@ def prepare_layout(
             "packed boundaries (seq_idx / cu_seq_lens / position_ids) came together with an attention_mask that "
             "has zeros; describe padding either as its own segment in the packed row or with a mask, not both"
         )
-    compaction = None
-    if mask is not None and not is_right_padded(mask):
-        compaction = Compaction.from_mask(mask)
+    if compaction is not None:
         hidden_states = compaction.gather(hidden_states)  # [B, T, C] real tokens first
         mask = compaction.mask
     return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction)
+
+
+def _analyse_mask(attention_mask: Tensor | None, shape: tuple[int, int]) -> tuple[Tensor | None, Compaction | None]:
+    """(bool mask ``[B, T]`` or None, compaction or None) of one call's mask.
+
+    Every recurrent layer of a model call gets the same mask tensor; the analysis (host syncs, a sort for
+    compaction) runs once per call and is memoised in the call context, keyed by the tensor object.
+    """
+    ctx = current_context()
+    key = (id(attention_mask), tuple(shape))
+    if ctx is not None and attention_mask is not None:
+        hit = ctx.layouts.get(key)
+        if hit is not None and hit[0] is attention_mask:
+            return hit[1], hit[2]
+    mask = normalize_mask(attention_mask, shape)
+    compaction = Compaction.from_mask(mask) if mask is not None and not is_right_padded(mask) else None
+    if ctx is not None and attention_mask is not None:
+        ctx.layouts[key] = (attention_mask, mask, compaction)  # holding the tensor keeps its id unique
+    return mask, compaction
 
 
 def cached_conv(
