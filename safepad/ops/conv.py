@@ -134,28 +134,81 @@ def conv_states_from_inputs(
     return final, (states if return_varlen_states else None)
 
 
-def _conv_torch(x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, init: Tensor | None) -> Tensor:
-    """Pre-activation depthwise causal conv. x ``[B, T, D]`` (already masked), init ``[B, D, K-1]`` | None.
+class _CausalConv(torch.autograd.Function):
+    """Depthwise causal conv (+ bias, + optional SiLU) as a sum of ``K`` shifted, weighted copies of ``x``.
 
-    A sum of ``K`` shifted, weighted copies of ``x`` (token-major, no transposes). This is also much
-    faster to differentiate on CPU than ``F.conv1d(groups=D)``, whose depthwise backward is slow there.
+    Token-major throughout (no transposes), with a hand-written backward that reuses its work buffers:
+    on CPU this is much faster than ``F.conv1d(groups=D)`` (whose depthwise backward is slow there) and than
+    letting autograd differentiate the shifted sums (one fresh full-size tensor per term).
+
+    x ``[B, T, D]``; weight ``[D, K]``; bias ``[D]`` | None; head ``[B, K-1, D]`` the inputs before the first
+    token (zeros or the cached state); same ``[K-1, B, T, 1]`` | None: 1 where the input ``K-1-k`` tokens back
+    belongs to the same sequence. Returns ``[B, T, D]``.
     """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool):
+        T = x.shape[1]
+        K = weight.shape[1]
+        xp = torch.cat([head, x], dim=1)  # [B, K-1+T, D]
+        cur = xp[:, K - 1 :]  # [B, T, D] the current token
+        y = torch.addcmul(bias, cur, weight[:, K - 1]) if bias is not None else cur * weight[:, K - 1]
+        buf = None
+        for k in range(K - 1):  # y[t] += w[:, k] * x[t - (K-1-k)]
+            src = xp[:, k : k + T]  # [B, T, D]
+            if same is not None:
+                buf = torch.mul(src, same[k], out=buf)  # [B, T, D] same sequence only
+                src = buf
+            y.addcmul_(src, weight[:, k])
+        ctx.silu = silu
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(xp, weight, same, y if silu else None)
+        return F.silu(y) if silu else y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        xp, weight, same, pre = ctx.saved_tensors
+        K = weight.shape[1]
+        T = xp.shape[1] - (K - 1)
+        g_pre = torch.ops.aten.silu_backward(g, pre) if ctx.silu else g.contiguous()  # [B, T, D]
+        need_x, need_w, need_b, need_head = ctx.needs_input_grad[:4]
+        g_xp = None
+        if need_x or need_head:
+            g_xp = xp.new_empty(xp.shape)  # [B, K-1+T, D]
+            torch.mul(g_pre, weight[:, K - 1], out=g_xp[:, K - 1 :])
+            g_xp[:, : K - 1].zero_()
+        g_w = xp.new_empty(weight.shape) if need_w else None  # [D, K]
+        buf = torch.empty_like(g_pre) if need_w else None  # [B, T, D]
+        if need_w:
+            g_w[:, K - 1] = torch.mul(g_pre, xp[:, K - 1 :], out=buf).sum((0, 1))
+        gm = None
+        for k in range(K - 1):
+            gk = g_pre if same is None else torch.mul(g_pre, same[k], out=gm)  # [B, T, D]
+            gm = gk if same is not None else None
+            if g_xp is not None:
+                g_xp[:, k : k + T].addcmul_(gk, weight[:, k])
+            if need_w:
+                g_w[:, k] = torch.mul(gk, xp[:, k : k + T], out=buf).sum((0, 1))
+        g_b = g_pre.sum((0, 1)) if need_b and ctx.has_bias else None
+        g_x = g_xp[:, K - 1 :] if need_x else None
+        g_head = g_xp[:, : K - 1] if need_head else None
+        return g_x, g_w, g_b, g_head, None, None
+
+
+def _conv_torch(
+    x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, init: Tensor | None, activation: str | None
+) -> Tensor:
+    """Depthwise causal conv + activation. x ``[B, T, D]`` (already masked), init ``[B, D, K-1]`` | None."""
     Bsz, T, D = x.shape
     K = weight.shape[1]
-    if K > 1:
-        head = x.new_zeros(Bsz, K - 1, D) if init is None else init.transpose(1, 2)  # [B, K-1, D]
-        xp = torch.cat([head, x], dim=1)  # [B, K-1+T, D]
-    else:
-        xp = x
+    head = x.new_zeros(Bsz, K - 1, D) if init is None else init.transpose(1, 2)  # [B, K-1, D]
+    same = None
     if seq_idx is not None and K > 1:
         seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
-    y = xp[:, K - 1 :] * weight[:, K - 1]  # [B, T, D] the current token
-    for k in range(K - 1):  # K is the (tiny) kernel width; y[t] += w[:, k] * x[t - (K-1-k)]
-        src = xp[:, k : k + T]  # [B, T, D]
-        if seq_idx is not None:
-            src = src * (seqp[:, k : k + T] == seq_idx).unsqueeze(-1).to(x.dtype)  # [B, T, D] same sequence only
-        y = torch.addcmul(y, src, weight[:, k])  # [B, T, D]
-    return y if bias is None else y + bias
+        same = torch.stack([seqp[:, k : k + T] == seq_idx for k in range(K - 1)])  # [K-1, B, T]
+        same = same.unsqueeze(-1).to(x.dtype)  # [K-1, B, T, 1]
+    return _CausalConv.apply(x, weight, bias, head, same, activation in ("silu", "swish"))
 
 
 @fp32_core
@@ -253,7 +306,7 @@ def causal_conv1d(
                 "backend='kernels': causal_conv1d_fn cannot take seq_idx together with initial_state; "
                 "use backend='auto' to route this call to the torch core"
             )
-        y = _activate(_conv_torch(xc, w, b, seq_idx, init_tail), activation).to(x.dtype)
+        y = _conv_torch(xc, w, b, seq_idx, init_tail, activation).to(x.dtype)
 
     out: list[Tensor] = [y]
     if return_final_state or return_varlen_states:
