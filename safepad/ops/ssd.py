@@ -71,18 +71,21 @@ def _exp(t: Tensor) -> Tensor:
 _BLOCK_ELEMS = 1 << 20
 
 
-def _decay_into(out: Tensor, acs: Tensor, drop: Tensor, drop_ws: Tensor) -> Tensor:
+# Floor of the intra-chunk log-decays before exp: float32 keeps exp() out of the subnormal range (see _exp);
+# float64 has none there. Weights below the floor are far under rounding next to the weight-1 diagonal.
+_DECAY_FLOOR = {torch.float32: _FLUSH_BELOW, torch.float64: -700.0}
+
+
+def _decay_into(out: Tensor, acs: Tensor, keep: Tensor) -> Tensor:
     """``out = exp(acs_l - acs_s)`` where kept, else 0: ``[m, H, Q, Q]`` written into ``out``.
 
-    ``acs`` ``[m, H, Q]``; ``drop`` ``[Q, Q]`` or ``[m, 1, Q, Q]`` bool (True: above the diagonal or across a
-    boundary); ``drop_ws`` bool workspace shaped like ``out`` (float32 only: flushes weights below
-    ``exp(-60)``, see :func:`_exp`).
+    ``acs`` ``[m, H, Q]``; ``keep`` ``[Q, Q]`` or ``[m, 1, Q, Q]`` in ``out``'s dtype (1: causal and same
+    sequence). The log-decays are clamped to ``[floor, 0]`` before ``exp`` (kept entries are ``<= 0``; the
+    dropped ones are zeroed by the multiply), so ``exp`` never sees ``-inf``, overflow or subnormals — its
+    slow paths on CPU.
     """
     torch.sub(acs.unsqueeze(-1), acs.unsqueeze(-2), out=out)  # [m, H, Q, Q] (l, s)
-    if out.dtype == torch.float32:
-        torch.lt(out, _FLUSH_BELOW, out=drop_ws)
-        drop = drop_ws.logical_or_(drop)
-    return out.masked_fill_(drop, float("-inf")).exp_()  # -inf above the diagonal / across boundaries -> 0
+    return out.clamp_(_DECAY_FLOOR[out.dtype], 0.0).exp_().mul_(keep)
 
 
 class _IntraChunk(torch.autograd.Function):
@@ -99,13 +102,13 @@ class _IntraChunk(torch.autograd.Function):
     def _flat(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor):
         b, c, H, Q, P = xdt.shape
         n = b * c
-        drop = ~keep if keep.dim() == 2 else ~keep.reshape(n, 1, Q, Q)  # [Q, Q] | [n, 1, Q, Q]
+        keep_f = (keep if keep.dim() == 2 else keep.reshape(n, 1, Q, Q)).to(xdt.dtype)  # [Q, Q] | [n, 1, Q, Q]
         step = max(1, _BLOCK_ELEMS // (H * Q * Q))  # chunks per block
         return (
             acs.reshape(n, H, Q),  # [n, H, Q]
             CB.reshape(n, CB.shape[2], Q, Q),  # [n, G, Q, Q]
             xdt.flatten(0, 1),  # [n, H, Q, P] (a view: b and c merge)
-            drop,
+            keep_f,
             step,
         )
 
@@ -113,17 +116,15 @@ class _IntraChunk(torch.autograd.Function):
     def forward(ctx, acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
         b, c, H, Q, P = xdt.shape
         G = CB.shape[2]
-        acs_f, CB_f, xdt_f, drop, step = _IntraChunk._flat(acs, CB, xdt, keep)
+        acs_f, CB_f, xdt_f, keep_f, step = _IntraChunk._flat(acs, CB, xdt, keep)
         n = b * c
         y = xdt.new_empty(n, H, Q, P)  # [n, H, Q, P]
-        m0 = min(step, n)
-        scores_ws = xdt.new_empty(m0, H, Q, Q)  # [m, H, Q, Q] reused by every block
-        drop_ws = torch.empty(m0, H, Q, Q, dtype=torch.bool, device=xdt.device)
+        scores_ws = xdt.new_empty(min(step, n), H, Q, Q)  # [m, H, Q, Q] reused by every block
         for i0 in range(0, n, step):
             i1 = min(i0 + step, n)
             m = i1 - i0
-            dr = drop if drop.dim() == 2 else drop[i0:i1]
-            scores = _decay_into(scores_ws[:m], acs_f[i0:i1], dr, drop_ws[:m])  # [m, H, Q, Q]
+            kp = keep_f if keep_f.dim() == 2 else keep_f[i0:i1]
+            scores = _decay_into(scores_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
             scores.view(m, G, H // G, Q, Q).mul_(CB_f[i0:i1].unsqueeze(2))  # ⊙ C·Bᵀ of the head's group
             torch.matmul(scores, xdt_f[i0:i1], out=y[i0:i1])  # [m, H, Q, P]
         ctx.save_for_backward(acs, CB, xdt, keep)
@@ -136,7 +137,7 @@ class _IntraChunk(torch.autograd.Function):
         b, c, H, Q, P = xdt.shape
         G = CB.shape[2]
         k = H // G
-        acs_f, CB_f, xdt_f, drop, step = _IntraChunk._flat(acs, CB, xdt, keep)
+        acs_f, CB_f, xdt_f, keep_f, step = _IntraChunk._flat(acs, CB, xdt, keep)
         n = b * c
         gy_f = gy.reshape(n, H, Q, P)  # [n, H, Q, P]
         g_xdt = xdt.new_empty(n, H, Q, P)
@@ -144,12 +145,11 @@ class _IntraChunk(torch.autograd.Function):
         g_CB = CB.new_empty(n, G, Q, Q)
         m0 = min(step, n)
         decay_ws, scores_ws, gs_ws = (xdt.new_empty(m0, H, Q, Q) for _ in range(3))  # [m, H, Q, Q] each
-        drop_ws = torch.empty(m0, H, Q, Q, dtype=torch.bool, device=xdt.device)
         for i0 in range(0, n, step):
             i1 = min(i0 + step, n)
             m = i1 - i0
-            dr = drop if drop.dim() == 2 else drop[i0:i1]
-            decay = _decay_into(decay_ws[:m], acs_f[i0:i1], dr, drop_ws[:m])  # [m, H, Q, Q]
+            kp = keep_f if keep_f.dim() == 2 else keep_f[i0:i1]
+            decay = _decay_into(decay_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
             scores = scores_ws[:m]
             torch.mul(decay.view(m, G, k, Q, Q), CB_f[i0:i1].unsqueeze(2), out=scores.view(m, G, k, Q, Q))
             g = gy_f[i0:i1]  # [m, H, Q, P]
