@@ -134,66 +134,109 @@ def conv_states_from_inputs(
     return final, (states if return_varlen_states else None)
 
 
+# Tokens per block of the conv's forward and backward: each pass of the K shifted sums then reads and writes
+# ~1 MiB slices that stay in cache between passes instead of streaming whole [B, T, D] tensors K times.
+_BLOCK_BYTES = 1 << 20
+
+
 class _CausalConv(torch.autograd.Function):
     """Depthwise causal conv (+ bias, + optional SiLU) as a sum of ``K`` shifted, weighted copies of ``x``.
 
-    Token-major throughout (no transposes), with a hand-written backward that reuses its work buffers:
-    on CPU this is much faster than ``F.conv1d(groups=D)`` (whose depthwise backward is slow there) and than
-    letting autograd differentiate the shifted sums (one fresh full-size tensor per term).
+    Token-major throughout (no transposes), over blocks of tokens, with a hand-written backward: on CPU this
+    is much faster than ``F.conv1d(groups=D)`` (whose depthwise backward is slow there) and than letting
+    autograd differentiate the shifted sums (one fresh full-size tensor per term, each streamed from memory).
 
-    x ``[B, T, D]``; weight ``[D, K]``; bias ``[D]`` | None; head ``[B, K-1, D]`` the inputs before the first
-    token (zeros or the cached state); same ``[K-1, B, T, 1]`` | None: 1 where the input ``K-1-k`` tokens back
-    belongs to the same sequence. Returns ``[B, T, D]``.
+    x ``[B, T, D]`` (any strides); weight ``[D, K]``; bias ``[D]`` | None; head ``[B, K-1, D]`` the inputs
+    before the first token (zeros or the cached state); same ``[K-1, B, T, 1]`` | None: 1 where the input
+    ``K-1-k`` tokens back belongs to the same sequence. Returns ``[B, T, D]``.
     """
 
     @staticmethod
+    def _blocks(x: Tensor, head: Tensor):
+        """(tokens per block, the first block's padded input ``[B, K-1+n, D]``).
+
+        A block reads the ``K-1`` tokens before it, so blocks after the first must start at ``t0 >= K-1``.
+        """
+        Bsz, T, D = x.shape
+        tb = max(head.shape[1], 1, _BLOCK_BYTES // (Bsz * D * x.element_size()))
+        return tb, torch.cat([head, x[:, : min(T, tb)]], dim=1)
+
+    @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool):
-        T = x.shape[1]
+        Bsz, T, D = x.shape
         K = weight.shape[1]
-        xp = torch.cat([head, x], dim=1)  # [B, K-1+T, D]
-        cur = xp[:, K - 1 :]  # [B, T, D] the current token
-        y = torch.addcmul(bias, cur, weight[:, K - 1]) if bias is not None else cur * weight[:, K - 1]
-        buf = None
-        for k in range(K - 1):  # y[t] += w[:, k] * x[t - (K-1-k)]
-            src = xp[:, k : k + T]  # [B, T, D]
-            if same is not None:
-                buf = torch.mul(src, same[k], out=buf)  # [B, T, D] same sequence only
-                src = buf
-            y.addcmul_(src, weight[:, k])
+        tb, first = _CausalConv._blocks(x, head)
+        pre = x.new_empty(Bsz, T, D)  # [B, T, D] before the activation
+        out = x.new_empty(Bsz, T, D) if silu else pre
+        buf = x.new_empty(Bsz, min(tb, T), D) if same is not None else None
+        for t0 in range(0, T, tb):
+            t1 = min(t0 + tb, T)
+            n = t1 - t0
+            xb = first if t0 == 0 else x[:, t0 - (K - 1) : t1]  # [B, K-1+n, D] the block and its left context
+            p = pre[:, t0:t1]
+            if bias is not None:
+                torch.addcmul(bias, xb[:, K - 1 :], weight[:, K - 1], out=p)  # the current token
+            else:
+                torch.mul(xb[:, K - 1 :], weight[:, K - 1], out=p)
+            for k in range(K - 1):  # p[t] += w[:, k] * x[t - (K-1-k)]
+                src = xb[:, k : k + n]  # [B, n, D]
+                if same is not None:
+                    src = torch.mul(src, same[k][:, t0:t1], out=buf[:, :n])  # same sequence only
+                p.addcmul_(src, weight[:, k])
+            if silu:
+                torch.mul(p, torch.sigmoid(p), out=out[:, t0:t1])
         ctx.silu = silu
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(xp, weight, same, y if silu else None)
-        return F.silu(y) if silu else y
+        ctx.save_for_backward(x, head, weight, same, pre if silu else None)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        xp, weight, same, pre = ctx.saved_tensors
+        x, head, weight, same, pre = ctx.saved_tensors
+        Bsz, T, D = x.shape
         K = weight.shape[1]
-        T = xp.shape[1] - (K - 1)
-        g_pre = torch.ops.aten.silu_backward(g, pre) if ctx.silu else g.contiguous()  # [B, T, D]
         need_x, need_w, need_b, need_head = ctx.needs_input_grad[:4]
-        g_xp = None
-        if need_x or need_head:
-            g_xp = xp.new_empty(xp.shape)  # [B, K-1+T, D]
-            torch.mul(g_pre, weight[:, K - 1], out=g_xp[:, K - 1 :])
-            g_xp[:, : K - 1].zero_()
-        g_w = xp.new_empty(weight.shape) if need_w else None  # [D, K]
-        buf = torch.empty_like(g_pre) if need_w else None  # [B, T, D]
-        if need_w:
-            g_w[:, K - 1] = torch.mul(g_pre, xp[:, K - 1 :], out=buf).sum((0, 1))
-        gm = None
-        for k in range(K - 1):
-            gk = g_pre if same is None else torch.mul(g_pre, same[k], out=gm)  # [B, T, D]
-            gm = gk if same is not None else None
+        tb, first = _CausalConv._blocks(x, head)
+        m = min(tb, T)
+        g_xp = x.new_empty(Bsz, K - 1 + T, D) if (need_x or need_head) else None  # [B, K-1+T, D]
+        g_w = x.new_zeros(K, D)  # [K, D] (transposed at the end)
+        g_b = x.new_zeros(D)
+        gp_ws, buf_ws = x.new_empty(Bsz, m, D), x.new_empty(Bsz, m, D)
+        gm_ws = x.new_empty(Bsz, m, D) if same is not None else None
+        for t0 in range(0, T, tb):
+            t1 = min(t0 + tb, T)
+            n = t1 - t0
+            gp = gp_ws[:, :n]  # [B, n, D] gradient before the activation
+            if ctx.silu:
+                torch.ops.aten.silu_backward.grad_input(g[:, t0:t1], pre[:, t0:t1], grad_input=gp)
+            else:
+                gp.copy_(g[:, t0:t1])
+            xb = first if t0 == 0 else x[:, t0 - (K - 1) : t1]  # [B, K-1+n, D]
+            o = K - 1 + t0  # g_xp index of token t0
             if g_xp is not None:
-                g_xp[:, k : k + T].addcmul_(gk, weight[:, k])
+                torch.mul(gp, weight[:, K - 1], out=g_xp[:, o : o + n])  # first write of this block's rows
+                if t0 == 0:
+                    g_xp[:, : K - 1].zero_()
             if need_w:
-                g_w[:, k] = torch.mul(gk, xp[:, k : k + T], out=buf).sum((0, 1))
-        g_b = g_pre.sum((0, 1)) if need_b and ctx.has_bias else None
-        g_x = g_xp[:, K - 1 :] if need_x else None
-        g_head = g_xp[:, : K - 1] if need_head else None
-        return g_x, g_w, g_b, g_head, None, None
+                g_w[K - 1] += torch.mul(gp, xb[:, K - 1 :], out=buf_ws[:, :n]).sum((0, 1))
+            for k in range(K - 1):
+                s = K - 1 - k  # this tap reads the input s tokens back
+                gk = gp if same is None else torch.mul(gp, same[k][:, t0:t1], out=gm_ws[:, :n])
+                if g_xp is not None:
+                    g_xp[:, o - s : o - s + n].addcmul_(gk, weight[:, k])  # rows of this or the previous block
+                if need_w:
+                    g_w[k] += torch.mul(gk, xb[:, k : k + n], out=buf_ws[:, :n]).sum((0, 1))
+            if need_b and ctx.has_bias:
+                g_b += gp.sum((0, 1))
+        return (
+            g_xp[:, K - 1 :] if need_x else None,
+            g_w.t() if need_w else None,
+            g_b if need_b and ctx.has_bias else None,
+            g_xp[:, : K - 1] if need_head else None,
+            None,
+            None,
+        )
 
 
 def _conv_torch(

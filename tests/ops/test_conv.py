@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from reference import ref_conv, ref_dt, split_rows
 
+import safepad.ops.conv as conv_mod
 from safepad.ops import causal_conv1d, causal_conv1d_step, process_dt
 
 D_ = 6
@@ -47,6 +48,13 @@ def reference_packed(t, seq, activation, state_len, use_init, use_bias=True):
     return y, var[last], var
 
 
+@pytest.fixture(params=[pytest.param(None, id="blocks-default"), pytest.param(1, id="blocks-of-K-1")])
+def conv_blocks(request, monkeypatch):
+    """Run the conv over its default token blocks (one block at these sizes) and over the smallest ones."""
+    if request.param is not None:
+        monkeypatch.setattr(conv_mod, "_BLOCK_BYTES", request.param)
+
+
 LAYOUTS = [
     pytest.param([[1]], id="len1"),
     pytest.param([[3]], id="len-K-1"),
@@ -64,6 +72,7 @@ OPTIONS = [  # K, S (init columns), state_len, activation, use_init, use_bias
 
 @pytest.mark.parametrize("rows", LAYOUTS)
 @pytest.mark.parametrize("K,S,state_len,activation,use_init,use_bias", OPTIONS)
+@pytest.mark.usefixtures("conv_blocks")
 def test_packed_matches_per_sequence_reference(rows, K, S, state_len, activation, use_init, use_bias):
     seq = seq_idx_of(rows)
     Bsz, T = seq.shape
@@ -157,6 +166,7 @@ def test_masked_without_initial_state_equals_compacted(left, right):
     assert rel_err(y[:, left : left + l], y_c) < 1e-12 and torch.equal(fin, fin_c)
 
 
+@pytest.mark.usefixtures("conv_blocks")
 def test_packed_grads_equal_per_sequence_grads():
     seq = seq_idx_of([[3, 1, 8], [6, 6]])
     t = make(2, 12, 4, 4, seed=7)
@@ -193,6 +203,7 @@ def test_packed_grads_equal_per_sequence_grads():
         pytest.param(1, None, False, True, True, id="K1"),
     ],
 )
+@pytest.mark.usefixtures("conv_blocks")
 def test_grads_match_autograd_through_the_reference(K, activation, use_seq, use_init, use_bias):
     """The hand-written conv backward equals autograd through the token-by-token float64 oracle."""
     rows = [[2, 5, 1, 4]] if use_seq else [[12]]
@@ -220,6 +231,7 @@ def test_grads_match_autograd_through_the_reference(K, activation, use_seq, use_
         assert rel_err(r["w"].grad, q["w"].grad) > 1e-3
 
 
+@pytest.mark.usefixtures("conv_blocks")
 def test_gradcheck_against_finite_differences():
     seq = seq_idx_of([[3, 1, 5]])
     t = make(1, 9, 4, 3, seed=12)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import ref_ssd, split_rows
 
+import safepad.ops.ssd as ssd_mod
 from safepad.ops import ssd_scan, ssd_step
 
 INF = float("inf")
@@ -68,6 +69,14 @@ def reference_packed(t: dict, seq_idx: torch.Tensor, dt_limit) -> tuple[torch.Te
     return y, varlen[last], varlen
 
 
+@pytest.fixture(params=[pytest.param(None, id="blocks-default"), pytest.param(1, id="block-per-chunk"),
+                        pytest.param(3 * H * 64, id="uneven-blocks")])
+def ssd_blocks(request, monkeypatch):
+    """Run the intra-chunk part over its default chunk blocks (one block at these sizes) and over small ones."""
+    if request.param is not None:
+        monkeypatch.setattr(ssd_mod, "_BLOCK_ELEMS", request.param)
+
+
 LAYOUTS = [
     pytest.param([[1]], id="len1"),
     pytest.param([[3]], id="len-K-1"),
@@ -88,6 +97,7 @@ OPTIONS = [
 
 @pytest.mark.parametrize("rows", LAYOUTS)
 @pytest.mark.parametrize("G,D_shape,bias,init,dt_limit", OPTIONS)
+@pytest.mark.usefixtures("ssd_blocks")
 def test_packed_matches_per_sequence_reference(rows, G, D_shape, bias, init, dt_limit):
     seq = seq_idx_of(rows)
     Bsz, T = seq.shape
@@ -219,6 +229,7 @@ def test_mask_without_pipeline_zeroing_would_differ():
 
 
 @pytest.mark.parametrize("rows", [pytest.param([[5, 1, 10]], id="1row"), pytest.param([[9, 7], [16]], id="2rows")])
+@pytest.mark.usefixtures("ssd_blocks")
 def test_packed_grads_equal_per_sequence_grads(rows):
     seq = seq_idx_of(rows)
     Bsz, T = seq.shape
@@ -353,6 +364,7 @@ def test_bf16_inputs_run_in_fp32():
     assert rel_err(y, y_ref) < 5e-2 and math.isfinite(rel_err(y, y_ref))
 
 
+@pytest.mark.usefixtures("ssd_blocks")
 def test_gradcheck_against_finite_differences():
     """The hand-written intra-chunk backward (and the rest of the graph) vs numerical gradients."""
     seq = seq_idx_of([[3, 6, 1]])
