@@ -10,8 +10,18 @@ from torch import Tensor
 from ..context import context_decode_mask, current_context, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.norm import gated_rms_norm
 
-__all__ = ["CACHE_KWARGS", "Layout", "cached_conv", "cached_conv_step", "hold_masked_rows", "pop_cache", "prepare_layout"]
+__all__ = [
+    "CACHE_KWARGS",
+    "Layout",
+    "cached_conv",
+    "cached_conv_step",
+    "gated_norm",
+    "hold_masked_rows",
+    "pop_cache",
+    "prepare_layout",
+]
 
 
 #: the names transformers has used for the cache argument of a mixer (5.23: cache_params / past_key_values;
@@ -134,3 +144,38 @@ def hold_masked_rows(mask: Tensor | None, new: Tensor, old: Tensor | None) -> Te
         return new
     keep = mask[:, 0].view(-1, *([1] * (new.dim() - 1)))  # [B, 1, ...]
     return torch.where(keep, new, old.to(new.dtype))
+
+
+#: transformers' gated group RMSNorm classes whose forward is exactly :func:`safepad.ops.norm.gated_rms_norm`
+#: (Falcon-H1's norm has other options and is always called as a module).
+STOCK_GATED_NORMS = frozenset(
+    ("MambaRMSNormGated", "BambaRMSNormGated", "NemotronHRMSNormGated", "GraniteMoeHybridRMSNormGated", "Zamba2RMSNormGated")
+)
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    from torch.nn.modules import module as mod
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or mod._global_forward_hooks
+        or mod._global_forward_pre_hooks
+        or mod._global_backward_hooks
+        or mod._global_backward_pre_hooks
+    )
+
+
+def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+    """The mixer's gated norm ``norm(y, gate)``, ``[B, T, I]`` each.
+
+    An unmodified stock gated group RMSNorm (exact class, no hooks) runs as the blocked
+    :func:`~safepad.ops.norm.gated_rms_norm` (the same math, several times fewer memory passes); anything
+    else (a subclass, a PEFT wrapper, a module with hooks) is called as the module.
+    """
+    cls = type(norm)
+    if cls.__name__ in STOCK_GATED_NORMS and cls.__module__.startswith("transformers.") and not _has_hooks(norm):
+        return gated_rms_norm(y, gate, norm.weight, norm.group_size, norm.variance_epsilon)
+    return norm(y, gate)

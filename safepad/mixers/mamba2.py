@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.ssd import ssd_scan, ssd_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, cached_conv_step, gated_norm, hold_masked_rows, pop_cache, prepare_layout
 
 __all__ = ["mamba2_mixer_forward"]
 
@@ -102,6 +102,6 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     if opts.get("optional_norm_attr") and not getattr(self, opts["optional_norm_attr"]):
         y = y * F.silu(gate.float()).to(y.dtype)  # Falcon-H1 without mamba_rms_norm: plain SiLU gate
     else:
-        y = self.norm(y, gate)
+        y = gated_norm(self.norm, y, gate)
     out = self.out_proj(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)

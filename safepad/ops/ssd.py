@@ -88,83 +88,299 @@ def _decay_into(out: Tensor, acs: Tensor, keep: Tensor) -> Tensor:
     return out.clamp_(_DECAY_FLOOR[out.dtype], 0.0).exp_().mul_(keep)
 
 
-class _IntraChunk(torch.autograd.Function):
-    """``y = (decay ⊙ C·Bᵀ) @ (dt x)`` inside each chunk, saving only the small inputs.
+def _intra_flat(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor):
+    """Flattened ``[n = b*c, ...]`` views of the intra-chunk inputs, the float keep mask and chunks per block."""
+    b, c, H, Q, _ = xdt.shape
+    n = b * c
+    keep_f = (keep if keep.dim() == 2 else keep.reshape(n, 1, Q, Q)).to(xdt.dtype)  # [Q, Q] | [n, 1, Q, Q]
+    step = max(1, _BLOCK_ELEMS // (H * Q * Q))  # chunks per block
+    return (
+        acs.reshape(n, H, Q),  # [n, H, Q]
+        CB.reshape(n, CB.shape[2], Q, Q),  # [n, G, Q, Q]
+        xdt.flatten(0, 1),  # [n, H, Q, P] (a view: b and c merge)
+        keep_f,
+        step,
+    )
 
-    The ``[n, H, Q, Q]`` decay and score matrices are the largest tensors of the scan. They never exist
-    whole: forward and backward run over blocks of chunks (``_BLOCK_ELEMS``) in reused work buffers, and
-    backward rebuilds them instead of keeping them alive between forward and backward.
+
+def _intra_fwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
+    """``y = (decay ⊙ C·Bᵀ) @ (dt x)`` inside each chunk, over blocks of chunks in one reused work buffer.
+
     acs ``[b, c, H, Q]``; CB ``[b, c, G, Q, Q]``; xdt ``[b, c, H, Q, P]``; keep ``[Q, Q]`` or
-    ``[b, c, 1, Q, Q]`` bool. Returns ``[b, c, H, Q, P]``.
+    ``[b, c, 1, Q, Q]`` bool. Returns ``[b, c, H, Q, P]`` (contiguous).
     """
+    b, c, H, Q, P = xdt.shape
+    G = CB.shape[2]
+    acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(acs, CB, xdt, keep)
+    n = b * c
+    y = xdt.new_empty(n, H, Q, P)  # [n, H, Q, P]
+    scores_ws = xdt.new_empty(min(step, n), H, Q, Q)  # [m, H, Q, Q] reused by every block
+    for i0 in range(0, n, step):
+        i1 = min(i0 + step, n)
+        m = i1 - i0
+        kp = keep_f if keep_f.dim() == 2 else keep_f[i0:i1]
+        scores = _decay_into(scores_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
+        scores.view(m, G, H // G, Q, Q).mul_(CB_f[i0:i1].unsqueeze(2))  # ⊙ C·Bᵀ of the head's group
+        torch.matmul(scores, xdt_f[i0:i1], out=y[i0:i1])  # [m, H, Q, P]
+    return y.view(b, c, H, Q, P)
 
-    @staticmethod
-    def _flat(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor):
-        b, c, H, Q, P = xdt.shape
-        n = b * c
-        keep_f = (keep if keep.dim() == 2 else keep.reshape(n, 1, Q, Q)).to(xdt.dtype)  # [Q, Q] | [n, 1, Q, Q]
-        step = max(1, _BLOCK_ELEMS // (H * Q * Q))  # chunks per block
-        return (
-            acs.reshape(n, H, Q),  # [n, H, Q]
-            CB.reshape(n, CB.shape[2], Q, Q),  # [n, G, Q, Q]
-            xdt.flatten(0, 1),  # [n, H, Q, P] (a view: b and c merge)
-            keep_f,
-            step,
-        )
+
+def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_intra_fwd` for ``gy`` ``[b, c, H, Q, P]``: ``(g_acs, g_CB, g_xdt)``.
+
+    The decay and score matrices are rebuilt block by block instead of being kept from the forward.
+    """
+    b, c, H, Q, P = xdt.shape
+    G = CB.shape[2]
+    k = H // G
+    acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(acs, CB, xdt, keep)
+    n = b * c
+    gy_f = gy.reshape(n, H, Q, P)  # [n, H, Q, P]
+    g_xdt = xdt.new_empty(n, H, Q, P)
+    g_acs = acs.new_empty(n, H, Q)
+    g_CB = CB.new_empty(n, G, Q, Q)
+    m0 = min(step, n)
+    decay_ws, scores_ws, gs_ws = (xdt.new_empty(m0, H, Q, Q) for _ in range(3))  # [m, H, Q, Q] each
+    for i0 in range(0, n, step):
+        i1 = min(i0 + step, n)
+        m = i1 - i0
+        kp = keep_f if keep_f.dim() == 2 else keep_f[i0:i1]
+        decay = _decay_into(decay_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
+        scores = scores_ws[:m]
+        torch.mul(decay.view(m, G, k, Q, Q), CB_f[i0:i1].unsqueeze(2), out=scores.view(m, G, k, Q, Q))
+        g = gy_f[i0:i1]  # [m, H, Q, P]
+        torch.matmul(scores.transpose(-1, -2), g, out=g_xdt[i0:i1])  # [m, H, Q, P]
+        g_scores = torch.matmul(g, xdt_f[i0:i1].transpose(-1, -2), out=gs_ws[:m])  # [m, H, Q, Q]
+        g_seg = scores.mul_(g_scores)  # [m, H, Q, Q] d/d(acs_l - acs_s); zero where masked
+        torch.sub(g_seg.sum(-1), g_seg.sum(-2), out=g_acs[i0:i1])  # [m, H, Q]
+        torch.sum(g_scores.mul_(decay).view(m, G, k, Q, Q), 2, out=g_CB[i0:i1])  # [m, G, Q, Q]
+    return g_acs.view(b, c, H, Q), g_CB.view(b, c, G, Q, Q), g_xdt.view(b, c, H, Q, P)
+
+
+class _IntraChunk(torch.autograd.Function):
+    """:func:`_intra_fwd` as an autograd op saving only its small inputs (the autograd path of the scan)."""
 
     @staticmethod
     def forward(ctx, acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
-        b, c, H, Q, P = xdt.shape
-        G = CB.shape[2]
-        acs_f, CB_f, xdt_f, keep_f, step = _IntraChunk._flat(acs, CB, xdt, keep)
-        n = b * c
-        y = xdt.new_empty(n, H, Q, P)  # [n, H, Q, P]
-        scores_ws = xdt.new_empty(min(step, n), H, Q, Q)  # [m, H, Q, Q] reused by every block
-        for i0 in range(0, n, step):
-            i1 = min(i0 + step, n)
-            m = i1 - i0
-            kp = keep_f if keep_f.dim() == 2 else keep_f[i0:i1]
-            scores = _decay_into(scores_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
-            scores.view(m, G, H // G, Q, Q).mul_(CB_f[i0:i1].unsqueeze(2))  # ⊙ C·Bᵀ of the head's group
-            torch.matmul(scores, xdt_f[i0:i1], out=y[i0:i1])  # [m, H, Q, P]
         ctx.save_for_backward(acs, CB, xdt, keep)
-        return y.view(b, c, H, Q, P)
+        return _intra_fwd(acs, CB, xdt, keep)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: Tensor):
         acs, CB, xdt, keep = ctx.saved_tensors
-        b, c, H, Q, P = xdt.shape
-        G = CB.shape[2]
-        k = H // G
-        acs_f, CB_f, xdt_f, keep_f, step = _IntraChunk._flat(acs, CB, xdt, keep)
-        n = b * c
-        gy_f = gy.reshape(n, H, Q, P)  # [n, H, Q, P]
-        g_xdt = xdt.new_empty(n, H, Q, P)
-        g_acs = acs.new_empty(n, H, Q)
-        g_CB = CB.new_empty(n, G, Q, Q)
-        m0 = min(step, n)
-        decay_ws, scores_ws, gs_ws = (xdt.new_empty(m0, H, Q, Q) for _ in range(3))  # [m, H, Q, Q] each
-        for i0 in range(0, n, step):
-            i1 = min(i0 + step, n)
-            m = i1 - i0
-            kp = keep_f if keep_f.dim() == 2 else keep_f[i0:i1]
-            decay = _decay_into(decay_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
-            scores = scores_ws[:m]
-            torch.mul(decay.view(m, G, k, Q, Q), CB_f[i0:i1].unsqueeze(2), out=scores.view(m, G, k, Q, Q))
-            g = gy_f[i0:i1]  # [m, H, Q, P]
-            torch.matmul(scores.transpose(-1, -2), g, out=g_xdt[i0:i1])  # [m, H, Q, P]
-            g_scores = torch.matmul(g, xdt_f[i0:i1].transpose(-1, -2), out=gs_ws[:m])  # [m, H, Q, Q]
-            g_seg = scores.mul_(g_scores)  # [m, H, Q, Q] d/d(acs_l - acs_s); zero where masked
-            torch.sub(g_seg.sum(-1), g_seg.sum(-2), out=g_acs[i0:i1])  # [m, H, Q]
-            torch.sum(g_scores.mul_(decay).view(m, G, k, Q, Q), 2, out=g_CB[i0:i1])  # [m, G, Q, Q]
-        return g_acs.view(b, c, H, Q), g_CB.view(b, c, G, Q, Q), g_xdt.view(b, c, H, Q, P), None
+        return (*_intra_bwd(acs, CB, xdt, keep, gy), None)
 
 
 def _d_term(D: Tensor, x: Tensor) -> Tensor:
-    """``D [H] | [H, P]`` times ``x [..., H, P]``."""
+    """``D [H] | [H, P]`` broadcast against ``x [..., H, P]``."""
     Dd = D.to(x.dtype)
-    return x * (Dd[:, None] if Dd.dim() == 1 else Dd)
+    return Dd[:, None] if Dd.dim() == 1 else Dd
+
+
+def _chunk_masks(seq_idx: Tensor | None, b: int, c: int, Q: int, device: torch.device):
+    """Sequence masks of a padded layout (``seq_idx`` ``[b, c*Q]`` or None).
+
+    Returns ``(keep, seq_ext, same_last, same_prev)``: ``keep`` ``[Q, Q]`` or ``[b, c, 1, Q, Q]`` bool (causal
+    and same sequence); ``seq_ext`` ``[b, c+1]`` the sequence of the initial state and of each chunk's end;
+    ``same_last`` / ``same_prev`` ``[b, c, 1, Q]`` bool: the token belongs to the chunk's last sequence / to
+    the sequence entering the chunk. All but ``keep`` are None without ``seq_idx``.
+    """
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=device).tril()  # [Q, Q] (l, s): s <= l
+    if seq_idx is None:
+        return causal, None, None, None
+    sq = seq_idx.view(b, c, Q)  # [b, c, Q]
+    keep = (causal & (sq.unsqueeze(-1) == sq.unsqueeze(-2))).unsqueeze(2)  # [b, c, 1, Q, Q]
+    seq_ext = torch.cat([sq[:, :1, 0], sq[:, :, -1]], dim=1)  # [b, c+1]
+    same_last = (sq == sq[..., -1:]).unsqueeze(2)  # [b, c, 1, Q]
+    same_prev = (sq == seq_ext[:, :-1, None]).unsqueeze(2)  # [b, c, 1, Q]
+    return keep, seq_ext, same_last, same_prev
+
+
+def _chunk_weights(acs: Tensor, same_last: Tensor | None, same_prev: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(w_end, w_out)`` ``[b, c, H, Q]``: each token's decay to its chunk's end (tokens of the chunk's last
+    sequence) and from the chunk's start (tokens of the entering sequence). Both ``<= 1``."""
+    w_end = _exp(acs[..., -1:] - acs)
+    w_out = _exp(acs)
+    if same_last is not None:
+        w_end = w_end * same_last.to(acs.dtype)
+        w_out = w_out * same_prev.to(acs.dtype)
+    return w_end, w_out
+
+
+def _inter_chunk(last: Tensor, states: Tensor, init: Tensor | None, seq_ext: Tensor | None) -> tuple[Tensor, Tensor]:
+    """States entering each chunk and the final state, from each chunk's own end state.
+
+    last ``[b, c, H]`` each chunk's total log-decay; states ``[b, c, H, P, N]``; init ``[b, H, P, N]`` | None;
+    seq_ext ``[b, c+1]`` | None (see :func:`_chunk_masks`). Returns ``(prev [b, c, H, P, N], final [b, H, P, N])``.
+
+    The state entering chunk z (z = c: the final state) is a decayed sum over the states left by earlier
+    chunks of the same sequence (e = 0 is the initial state, e = c' + 1 is chunk c'): W[z, e] = exp(sum of
+    the log-decays of chunks e..z-1) for e <= z and the same sequence. The sums are taken directly (masked
+    cumsum), not as differences of one long cumsum, so they stay exact for long rows. One small matmul
+    instead of a Python loop over chunks.
+    """
+    b, c, H, P, N = states.shape
+    dev = states.device
+    flat = states.new_empty(b, H, c + 1, P * N)  # [b, H, c+1, PN]: the initial state, then each chunk's state
+    flat[:, :, 1:] = states.view(b, c, H, P * N).transpose(1, 2)
+    if init is None:
+        flat[:, :, 0] = 0.0
+    else:
+        flat[:, :, 0] = init.reshape(b, H, P * N)
+    v = F.pad(last.transpose(1, 2), (1, 0))  # [b, H, c+1]; v[i] = log-decay of chunk i-1
+    strict = torch.ones(c + 1, c + 1, dtype=torch.bool, device=dev).tril(-1)  # i > e
+    seg_c = v.unsqueeze(-1).expand(b, H, c + 1, c + 1).masked_fill(~strict, 0.0)  # [b, H, c+1 (i), c+1 (e)]
+    seg_c = torch.cumsum(seg_c, dim=-2)  # [b, H, c+1 (z), c+1 (e)] = sum_{e < i <= z} v[i]
+    keep_c = torch.ones(c + 1, c + 1, dtype=torch.bool, device=dev).tril()  # e <= z
+    if seq_ext is not None:
+        keep_c = keep_c & (seq_ext.unsqueeze(-1) == seq_ext.unsqueeze(-2)).unsqueeze(1)  # [b, 1, c+1, c+1]
+    W = _exp(seg_c.masked_fill(~keep_c, float("-inf")))  # [b, H, c+1, c+1]
+    entering = torch.matmul(W, flat).view(b, H, c + 1, P, N)  # [b, H, c+1, P, N]
+    return entering[:, :, :c].transpose(1, 2), entering[:, :, c]
+
+
+class _SSDCore(torch.autograd.Function):
+    """The chunked scan over padded rows with a hand-written backward (the fast path of the torch core).
+
+    Inputs (compute dtype, ``Tp = c * Q`` tokens, dt processed and masked): x ``[b, Tp, H, P]``, dt
+    ``[b, Tp, H]``, A ``[H]``, B, C ``[b, Tp, G, N]``, D ``[H]`` | ``[H, P]`` | None, init ``[b, H, P, N]`` | None,
+    seq ``[b, Tp]`` | None. Returns ``(y [b, Tp, H, P] with the D term, final [b, H, P, N])``.
+
+    Same math as :func:`_ssd_autograd`, with every large tensor in the layout its consumer wants: ``x·dt``
+    is written once head-major for the matmuls, ``y`` is assembled token-major in one pass, and backward
+    rebuilds the cheap intermediates instead of saving them (it keeps only the ``[b, c, H, P, N]`` chunk
+    states). The small across-chunk part is differentiated by autograd inside backward.
+    """
+
+    @staticmethod
+    def _prep(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, seq: Tensor | None, Q: int) -> dict:
+        b, Tp, H, P = x.shape
+        G, N = B.shape[2], B.shape[3]
+        c = Tp // Q
+        xdt = x.new_empty(b, c, H, Q, P)  # [b, c, H, Q, P] head-major inside each chunk
+        torch.mul(x.view(b, c, Q, H, P).transpose(2, 3), dt.view(b, c, Q, H).transpose(2, 3).unsqueeze(-1), out=xdt)
+        acs = torch.cumsum(dt.view(b, c, Q, H) * A, dim=2).transpose(2, 3).contiguous()  # [b, c, H, Q]
+        Bg = B.view(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
+        Cg = C.view(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
+        keep, seq_ext, same_last, same_prev = _chunk_masks(seq, b, c, Q, x.device)
+        w_end, w_out = _chunk_weights(acs, same_last, same_prev)  # [b, c, H, Q] each
+        CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
+        return {"xdt": xdt, "acs": acs, "Bg": Bg, "Cg": Cg, "keep": keep, "seq_ext": seq_ext,
+                "w_end": w_end, "w_out": w_out, "CB": CB}
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, init, seq, Q: int):
+        b, Tp, H, P = x.shape
+        G, N = B.shape[2], B.shape[3]
+        k, c = H // G, Tp // Q
+        bcG = b * c * G
+        p = _SSDCore._prep(x, dt, A, B, C, seq, Q)
+        y_h = _intra_fwd(p["acs"], p["CB"], p["xdt"], p["keep"])  # [b, c, H, Q, P]
+        xwT = x.new_empty(b, c, H, P, Q)  # (x dt w_end)ᵀ per head, laid out for the matmul with B
+        torch.mul(p["xdt"].transpose(-1, -2), p["w_end"].unsqueeze(-2), out=xwT)
+        states = torch.matmul(xwT.view(bcG, k * P, Q), p["Bg"].view(bcG, Q, N)).view(b, c, H, P, N)
+        del xwT
+        prev, final = _inter_chunk(p["acs"][..., -1], states, init, p["seq_ext"])
+        prev = prev.contiguous()  # [b, c, H, P, N]
+        y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
+        y = x.new_empty(b, c, Q, H, P)  # token-major output
+        torch.addcmul(
+            y_h.view(b, c, G, k, Q, P).permute(0, 1, 4, 2, 3, 5),  # [b, c, Q, G, k, P]
+            y_off.view(b, c, G, Q, k, P).permute(0, 1, 3, 2, 4, 5),  # [b, c, Q, G, k, P]
+            p["w_out"].view(b, c, G, k, Q).permute(0, 1, 4, 2, 3).unsqueeze(-1),  # [b, c, Q, G, k, 1]
+            out=y.view(b, c, Q, G, k, P),
+        )
+        y = y.view(b, Tp, H, P)
+        if D is not None:
+            y.addcmul_(x, _d_term(D, x))
+        ctx.Q = Q
+        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, states, prev)
+        return y, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy: Tensor, g_final: Tensor):
+        x, dt, A, B, C, D, init, seq, states, prev = ctx.saved_tensors
+        Q = ctx.Q
+        b, Tp, H, P = x.shape
+        G, N = B.shape[2], B.shape[3]
+        k, c = H // G, Tp // Q
+        bcG = b * c * G
+        p = _SSDCore._prep(x, dt, A, B, C, seq, Q)
+        gy = gy.contiguous()  # [b, Tp, H, P]
+        gy_q = gy.view(b, c, Q, G, k, P).permute(0, 1, 3, 2, 4, 5)  # [b, c, G, Q, k, P] (view)
+
+        g_D = None
+        if D is not None and ctx.needs_input_grad[5]:
+            prod = gy * x  # [b, Tp, H, P]
+            g_D = prod.sum((0, 1)) if D.dim() == 2 else prod.sum((0, 1, 3))
+
+        # 4. inter-chunk output y += w_out * (C · prev)
+        w_out_q = p["w_out"].view(b, c, G, k, Q).transpose(3, 4).unsqueeze(-1)  # [b, c, G, Q, k, 1]
+        g_yoff = x.new_empty(b, c, G, Q, k, P)
+        torch.mul(gy_q, w_out_q, out=g_yoff)
+        g_prev = torch.matmul(g_yoff.view(bcG, Q, k * P).transpose(1, 2), p["Cg"].view(bcG, Q, N))  # [bcG, kP, N]
+        g_Cg = torch.matmul(g_yoff.view(bcG, Q, k * P), prev.view(bcG, k * P, N)).view(b, c, G, Q, N)
+        del g_yoff
+        y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
+        g_wout = (gy_q * y_off.view(b, c, G, Q, k, P)).sum(-1)  # [b, c, G, Q, k]
+        del y_off
+        g_acs = g_wout.transpose(3, 4).reshape(b, c, H, Q) * p["w_out"]  # [b, c, H, Q] (d w_out / d acs = w_out)
+
+        # 3. across chunks: small tensors, differentiated by autograd
+        with torch.enable_grad():
+            last = p["acs"][..., -1].detach().requires_grad_()  # [b, c, H]
+            st = states.detach().requires_grad_()
+            want_init = init is not None and ctx.needs_input_grad[6]
+            ini = init.detach().requires_grad_() if want_init else init
+            prev_r, final_r = _inter_chunk(last, st, ini, p["seq_ext"])
+            outs, grads = [prev_r], [g_prev.view(b, c, H, P, N)]
+            if g_final is not None:
+                outs.append(final_r)
+                grads.append(g_final)
+            res = torch.autograd.grad(outs, [last, st] + ([ini] if want_init else []), grads, allow_unused=True)
+        g_last, g_states = res[0], res[1]
+        g_init = res[2] if want_init else None
+        if g_last is None:
+            g_last = torch.zeros_like(last)
+
+        # 2. chunk states = (x dt w_end)ᵀ B
+        g_xwT = torch.matmul(g_states.reshape(bcG, k * P, N), p["Bg"].view(bcG, Q, N).transpose(1, 2))  # [bcG, kP, Q]
+        xwT = x.new_empty(b, c, H, P, Q)
+        torch.mul(p["xdt"].transpose(-1, -2), p["w_end"].unsqueeze(-2), out=xwT)
+        g_Bg = torch.matmul(xwT.view(bcG, k * P, Q).transpose(1, 2), g_states.reshape(bcG, k * P, N))  # [bcG, Q, N]
+        del xwT
+        g_xwT = g_xwT.view(b, c, H, P, Q)
+        g_wend = (g_xwT * p["xdt"].transpose(-1, -2)).sum(-2)  # [b, c, H, Q]
+        gw = g_wend * p["w_end"]  # d w_end / d acs_q = -w_end, d w_end / d acs_last = +w_end
+        g_acs = g_acs - gw
+        g_acs[..., -1] += gw.sum(-1) + g_last
+
+        # 1. intra-chunk
+        gy_h = x.new_empty(b, c, H, Q, P)  # head-major copy of gy for the block matmuls
+        gy_h.view(b, c, G, k, Q, P).copy_(gy_q.transpose(3, 4))
+        g_acs_i, g_CB, g_xdt = _intra_bwd(p["acs"], p["CB"], p["xdt"], p["keep"], gy_h)
+        del gy_h
+        g_acs += g_acs_i
+        g_Cg += torch.matmul(g_CB, p["Bg"])  # [b, c, G, Q, N]
+        g_Bg = g_Bg.view(b, c, G, Q, N) + torch.matmul(g_CB.transpose(-1, -2), p["Cg"])
+        g_xdt.addcmul_(g_xwT.transpose(-1, -2), p["w_end"].unsqueeze(-1))  # + the chunk-state path
+
+        # back to x, dt (token-major) and A
+        g_xdt_t = g_xdt.transpose(2, 3)  # [b, c, Q, H, P] (view)
+        g_x = x.new_empty(b, c, Q, H, P)
+        torch.mul(g_xdt_t, dt.view(b, c, Q, H, 1), out=g_x)
+        g_x = g_x.view(b, Tp, H, P)
+        if D is not None:
+            g_x.addcmul_(gy, _d_term(D, x))
+        g_dt = (g_xdt_t * x.view(b, c, Q, H, P)).sum(-1)  # [b, c, Q, H]
+        g_a = g_acs.flip(-1).cumsum(-1).flip(-1).transpose(2, 3)  # [b, c, Q, H] through acs = cumsum(dt A)
+        g_dt = (g_dt + g_a * A).view(b, Tp, H)
+        g_A = (g_a * dt.view(b, c, Q, H)).sum((0, 1, 2))
+        g_B = g_Bg.transpose(2, 3).reshape(b, Tp, G, N)
+        g_C = g_Cg.transpose(2, 3).reshape(b, Tp, G, N)
+        return g_x, g_dt, g_A, g_B, g_C, g_D, g_init, None, None
 
 
 def _ssd_chunked(
@@ -173,6 +389,7 @@ def _ssd_chunked(
     A: Tensor,
     B: Tensor,
     C: Tensor,
+    D: Tensor | None,
     seq_idx: Tensor | None,
     initial_state: Tensor | None,
     chunk_size: int,
@@ -180,13 +397,12 @@ def _ssd_chunked(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The torch core. All inputs already in the compute dtype; ``dt`` processed and masked.
 
-    x ``[b, T, H, P]``; dt ``[b, T, H]``; A ``[H]``; B, C ``[b, T, G, N]``; seq_idx ``[b, T]`` | None;
-    initial_state ``[b, H, P, N]`` | None. Returns ``(y [b, T, H, P] without the D term,
-    final_state [b, H, P, N], varlen_states [S, H, P, N] | None)``.
+    x ``[b, T, H, P]``; dt ``[b, T, H]``; A ``[H]``; B, C ``[b, T, G, N]``; D ``[H]`` | ``[H, P]`` | None;
+    seq_idx ``[b, T]`` | None; initial_state ``[b, H, P, N]`` | None. Returns ``(y [b, T, H, P],
+    final_state [b, H, P, N], varlen_states [S, H, P, N] | None)``. Runs :class:`_SSDCore`, or the autograd
+    form :func:`_ssd_autograd` when varlen states are requested (they need its intermediates).
     """
     b, T, H, P = x.shape
-    G, N = B.shape[2], B.shape[3]
-    k = H // G
     Q = chunk_size
     pad = (-T) % Q
     seq_full = seq_idx
@@ -197,71 +413,59 @@ def _ssd_chunked(
         C = F.pad(C, (0, 0, 0, 0, 0, pad))  # [b, Tp, G, N]
         if seq_idx is not None:
             seq_idx = torch.cat([seq_idx, seq_idx[:, -1:].expand(b, pad)], dim=1)  # [b, Tp]
-    c = (T + pad) // Q
+    if want_varlen:
+        return _ssd_autograd(x, dt, A, B, C, D, seq_idx, seq_full, initial_state, Q, T)
+    y, final = _SSDCore.apply(x, dt, A, B, C, D, initial_state, seq_idx, Q)
+    return y[:, :T], final, None
 
+
+def _ssd_autograd(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    seq_idx: Tensor | None,
+    seq_full: Tensor | None,
+    initial_state: Tensor | None,
+    Q: int,
+    T: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked scan written with autograd ops (padded inputs, as :class:`_SSDCore`), plus varlen states."""
+    b, Tp, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    k, c = H // G, Tp // Q
     xdt = x * dt.unsqueeze(-1)  # [b, Tp, H, P]
     xdt_c = xdt.view(b, c, Q, H, P).transpose(2, 3)  # [b, c, H, Q, P]
     acs = torch.cumsum((dt * A).view(b, c, Q, H).transpose(2, 3), dim=-1)  # [b, c, H, Q] cumulative log-decay
     Bg = B.view(b, c, Q, G, N).transpose(2, 3)  # [b, c, G, Q, N]
     Cg = C.view(b, c, Q, G, N).transpose(2, 3)  # [b, c, G, Q, N]
-
-    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()  # [Q, Q] (l, s): s <= l
-    if seq_idx is not None:
-        sq = seq_idx.view(b, c, Q)  # [b, c, Q]
-        keep = causal & (sq.unsqueeze(-1) == sq.unsqueeze(-2))  # [b, c, Q, Q]
-        keep = keep.unsqueeze(2)  # [b, c, 1, Q, Q]
-    else:
-        keep = causal
+    keep, seq_ext, same_last, same_prev = _chunk_masks(seq_idx, b, c, Q, x.device)
 
     # 1. intra-chunk (diagonal blocks): y_l = sum_{s<=l, same seq} (C_l·B_s) exp(acs_l - acs_s) dt_s x_s
     CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
     y = _IntraChunk.apply(acs, CB, xdt_c, keep)  # [b, c, H, Q, P]
 
     # 2. chunk states: contribution of each chunk's tokens (of the chunk's last sequence) to its end state
-    last = acs[..., -1:]  # [b, c, H, 1]
-    w_end = _exp(last - acs)  # [b, c, H, Q], <= 1
-    if seq_idx is not None:
-        w_end = w_end * (sq == sq[..., -1:]).unsqueeze(2).to(w_end.dtype)  # [b, c, H, Q]
+    w_end, w_out = _chunk_weights(acs, same_last, same_prev)  # [b, c, H, Q] each
     xw = (xdt_c * w_end.unsqueeze(-1)).view(b, c, G, k, Q, P)  # [b, c, G, k, Q, P]
     xw = xw.transpose(-1, -2).reshape(b, c, G, k * P, Q)  # [b, c, G, kP, Q]
     states = torch.matmul(xw, Bg).view(b, c, H, P, N)  # [b, c, H, P, N]
 
-    # 3. across chunks: the state entering chunk z (z = c: the final state) is a decayed sum over the
-    #    states left by earlier chunks of the same sequence (e = 0 is the initial state, e = c' + 1 is
-    #    chunk c'): W[z, e] = exp(sum of the log-decays of chunks e..z-1) for e <= z and the same
-    #    sequence. The sums are taken directly (masked cumsum), not as differences of one long cumsum,
-    #    so they stay exact for long rows. One small matmul instead of a Python loop over chunks.
-    init = x.new_zeros(b, 1, H, P, N) if initial_state is None else initial_state.unsqueeze(1)
-    states_ext = torch.cat([init, states], dim=1)  # [b, c+1, H, P, N]
-    v = F.pad(last.squeeze(-1).transpose(1, 2), (1, 0))  # [b, H, c+1]; v[i] = log-decay of chunk i-1
-    strict = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril(-1)  # i > e
-    seg_c = v.unsqueeze(-1).expand(b, H, c + 1, c + 1).masked_fill(~strict, 0.0)  # [b, H, c+1 (i), c+1 (e)]
-    seg_c = torch.cumsum(seg_c, dim=-2)  # [b, H, c+1 (z), c+1 (e)] = sum_{e < i <= z} v[i]
-    keep_c = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril()  # e <= z
-    if seq_idx is not None:
-        seq_ext = torch.cat([sq[:, :1, 0], sq[:, :, -1]], dim=1)  # [b, c+1] sequence of each state
-        keep_c = keep_c & (seq_ext.unsqueeze(-1) == seq_ext.unsqueeze(-2)).unsqueeze(1)  # [b, 1, c+1, c+1]
-        prev_seq = seq_ext[:, :-1]  # [b, c] sequence of the state entering each chunk
-    W = _exp(seg_c.masked_fill(~keep_c, float("-inf")))  # [b, H, c+1, c+1]
-    flat = states_ext.permute(0, 2, 1, 3, 4).reshape(b, H, c + 1, P * N)  # [b, H, c+1, PN]
-    entering = torch.matmul(W, flat).view(b, H, c + 1, P, N)  # [b, H, c+1, P, N]
-    final_state = entering[:, :, c]  # [b, H, P, N]
-    prev = entering[:, :, :c].transpose(1, 2)  # [b, c, H, P, N] state entering each chunk
+    # 3. across chunks
+    prev, final_state = _inter_chunk(acs[..., -1], states, initial_state, seq_ext)  # [b, c, H, P, N], [b, H, P, N]
 
     # 4. inter-chunk output: y_l += exp(acs_l) C_l · prev (only for tokens of the entering sequence)
-    prev_g = prev.view(b, c, G, k, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, c, G, N, k * P)  # [b, c, G, N, kP]
+    prev_g = prev.reshape(b, c, G, k, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, c, G, N, k * P)  # [b, c, G, N, kP]
     y_off = torch.matmul(Cg, prev_g)  # [b, c, G, Q, kP]
     y_off = y_off.view(b, c, G, Q, k, P).transpose(3, 4).reshape(b, c, H, Q, P)  # [b, c, H, Q, P]
-    w_out = _exp(acs)  # [b, c, H, Q]
-    if seq_idx is not None:
-        w_out = w_out * (sq == prev_seq.unsqueeze(-1)).unsqueeze(2).to(w_out.dtype)  # [b, c, H, Q]
     y = y + y_off * w_out.unsqueeze(-1)  # [b, c, H, Q, P]
-    y = y.transpose(2, 3).reshape(b, c * Q, H, P)[:, :T]  # [b, T, H, P]
-
-    varlen = None
-    if want_varlen:
-        varlen = _varlen_states(xdt_c, acs, Bg, prev, seq_full, seq_idx, T, Q)
-    return y, final_state, varlen
+    y = y.transpose(2, 3).reshape(b, c * Q, H, P)  # [b, Tp, H, P]
+    if D is not None:
+        y = y + x * _d_term(D, x)
+    varlen = _varlen_states(xdt_c, acs, Bg, prev, seq_full, seq_idx, T, Q)
+    return y[:, :T], final_state, varlen
 
 
 def _varlen_states(
@@ -408,13 +612,12 @@ def ssd_scan(
         A.to(ct),
         Bk.to(ct),
         C.to(ct),
+        None if D is None else D.to(ct),
         seq_idx,
         None if initial_state is None else initial_state.to(ct),
         chunk_size,
         return_varlen_states,
     )
-    if D is not None:
-        y = y + _d_term(D.to(ct), x.to(ct))
     out: list[Tensor] = [y.to(x.dtype)]
     if return_final_state:
         out.append(final)
@@ -530,5 +733,5 @@ def ssd_step(
     new = decay * s + xdt * B.to(ct).view(Bsz, G, 1, 1, N)  # [B, G, k, P, N]
     y = (new * C.to(ct).view(Bsz, G, 1, 1, N)).sum(-1).reshape(Bsz, H, P)  # [B, H, P]
     if D is not None:
-        y = y + _d_term(D.to(ct), x.to(ct))
+        y = y + x.to(ct) * _d_term(D.to(ct), x)
     return y.to(x.dtype), new.reshape(Bsz, H, P, N)

@@ -229,8 +229,9 @@ def test_mask_without_pipeline_zeroing_would_differ():
 
 
 @pytest.mark.parametrize("rows", [pytest.param([[5, 1, 10]], id="1row"), pytest.param([[9, 7], [16]], id="2rows")])
+@pytest.mark.parametrize("varlen", [pytest.param(True, id="varlen-autograd-path"), pytest.param(False, id="core-path")])
 @pytest.mark.usefixtures("ssd_blocks")
-def test_packed_grads_equal_per_sequence_grads(rows):
+def test_packed_grads_equal_per_sequence_grads(rows, varlen):
     seq = seq_idx_of(rows)
     Bsz, T = seq.shape
     t = make(Bsz, T, 2, seed=8)
@@ -244,9 +245,16 @@ def test_packed_grads_equal_per_sequence_grads(rows):
         return {k: t[k].clone().requires_grad_(True) for k in names}
 
     p = leaves()
-    y, var = ssd_scan(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk_size=4, D=p["D"], dt_bias=p["dt_bias"],
-                      seq_idx=seq, initial_state=p["initial_state"], return_varlen_states=True)
-    ((y * gy).sum() + (var * gs).sum()).backward()
+    out = ssd_scan(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk_size=4, D=p["D"], dt_bias=p["dt_bias"],
+                   seq_idx=seq, initial_state=p["initial_state"], return_varlen_states=varlen,
+                   return_final_state=not varlen)
+    if varlen:  # every sequence's final state carries a gradient
+        y, var = out
+        ((y * gy).sum() + (var * gs).sum()).backward()
+    else:  # the hand-written backward: only each row's last sequence has a returned state
+        y, fin = out
+        last = [i for i, (b, s, e) in enumerate(segs) if e == T]
+        ((y * gy).sum() + (fin * gs[last]).sum()).backward()
 
     q = leaves()
     loss = 0
@@ -255,10 +263,37 @@ def test_packed_grads_equal_per_sequence_grads(rows):
         ys, fs = ssd_scan(q["x"][b : b + 1, s:e], q["dt"][b : b + 1, s:e], q["A"], q["B"][b : b + 1, s:e],
                           q["C"][b : b + 1, s:e], chunk_size=4, D=q["D"], dt_bias=q["dt_bias"], initial_state=init,
                           return_final_state=True)
-        loss = loss + (ys * gy[b : b + 1, s:e]).sum() + (fs[0] * gs[i]).sum()
+        if varlen or e == T:
+            loss = loss + (fs[0] * gs[i]).sum()
+        loss = loss + (ys * gy[b : b + 1, s:e]).sum()
     loss.backward()
     for k in names:
         assert rel_err(p[k].grad, q[k].grad) < 1e-10, k
+
+
+@pytest.mark.usefixtures("ssd_blocks")
+@pytest.mark.parametrize("rows", [pytest.param([[5, 1, 10]], id="packed"), pytest.param([[16], [16]], id="plain")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_hand_written_backward_equals_autograd_form(rows, dtype):
+    """_SSDCore (the default path) and _ssd_autograd (the varlen path) agree on outputs and every gradient."""
+    from safepad.ops.ssd import _ssd_chunked
+
+    seq = seq_idx_of(rows) if len(rows[0]) > 1 else None
+    Bsz, T = len(rows), sum(rows[0])
+    t = make(Bsz, T, 2, seed=21)
+    g = torch.Generator().manual_seed(5)
+    gy = torch.randn(Bsz, T, H, P, generator=g, dtype=torch.float64).to(dtype)
+    gf = torch.randn(Bsz, H, P, N, generator=g, dtype=torch.float64).to(dtype)
+    names = ["x", "dt", "A", "B", "C", "D", "initial_state"]
+    grads = []
+    for varlen in (False, True):
+        p = {k: t[k].detach().clone().to(dtype).requires_grad_(True) for k in names}
+        dtp = torch.nn.functional.softplus(p["dt"])
+        y, fin, _ = _ssd_chunked(p["x"], dtp, p["A"], p["B"], p["C"], p["D"], seq, p["initial_state"], 4, varlen)
+        ((y * gy).sum() + (fin * gf).sum()).backward()
+        grads.append({"y": y.detach(), "fin": fin.detach(), **{k: p[k].grad for k in names}})
+    for k in grads[0]:
+        assert rel_err(grads[0][k], grads[1][k]) < TOL[dtype] * 10, k
 
 
 def test_fp32_grads_close_to_fp64():
