@@ -93,6 +93,11 @@ def conv_states_from_inputs(
     Bsz, T, D = x.shape
     L = state_len
     dev = x.device
+    if seq_idx is None and token_mask is None and T >= L and not return_varlen_states:
+        # one sequence per row, every token real, the row as long as the state: its last L inputs (a copy, so
+        # the state does not keep the caller's larger input tensor alive)
+        final = x[:, T - L :].transpose(1, 2).clone(memory_format=torch.contiguous_format)  # [B, D, L]
+        return (final if return_final_state else None), None
     if seq_idx is None:
         seq_idx = torch.zeros(Bsz, T, dtype=torch.int32, device=dev)
     n_tok = Bsz * T

@@ -243,6 +243,19 @@ def test_gradcheck_against_finite_differences():
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 3, 4, 9], ids=["T1", "T-K-1", "T-K", "T9"])
+@pytest.mark.parametrize("use_init", [False, True], ids=["noinit", "init"])
+def test_one_sequence_states_equal_the_general_gather(T, use_init):
+    """Rows without seq_idx / mask (the fast path) give the states of the general varlen gather."""
+    t = make(2, T, 4, 3, seed=13)
+    init = t["init"] if use_init else None
+    _, fin = causal_conv1d(t["x"], t["w"], t["b"], initial_state=init, return_final_state=True, state_len=4)
+    _, fin_gen = causal_conv1d(t["x"], t["w"], t["b"], initial_state=init, return_final_state=True, state_len=4,
+                               seq_idx=torch.zeros(2, T, dtype=torch.int32))
+    assert torch.equal(fin, fin_gen)
+    assert fin.untyped_storage().data_ptr() != t["x"].untyped_storage().data_ptr()  # not a view of x
+
+
 def test_fp32_grads_close_to_fp64():
     seq = seq_idx_of([[4, 9, 3]])
     t = make(1, 16, 4, 3, seed=8)
