@@ -249,8 +249,8 @@ class _SSDCore(torch.autograd.Function):
 
     Same math as :func:`_ssd_autograd`, with every large tensor in the layout its consumer wants: ``x·dt``
     is written once head-major for the matmuls, ``y`` is assembled token-major in one pass, and backward
-    rebuilds the cheap intermediates instead of saving them (it keeps only the ``[b, c, H, P, N]`` chunk
-    states). The small across-chunk part is differentiated by autograd inside backward.
+    rebuilds the cheap intermediates instead of saving them (it keeps the ``[b, c, H, P, N]`` chunk states and
+    the inter-chunk output ``C·prev``). The small across-chunk part is differentiated by autograd inside backward.
     """
 
     @staticmethod
@@ -295,13 +295,13 @@ class _SSDCore(torch.autograd.Function):
         if D is not None:
             y.addcmul_(x, _d_term(D, x))
         ctx.Q = Q
-        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, states, prev)
+        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, states, prev, y_off)
         return y, final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: Tensor, g_final: Tensor):
-        x, dt, A, B, C, D, init, seq, states, prev = ctx.saved_tensors
+        x, dt, A, B, C, D, init, seq, states, prev, y_off = ctx.saved_tensors
         Q = ctx.Q
         b, Tp, H, P = x.shape
         G, N = B.shape[2], B.shape[3]
@@ -323,9 +323,7 @@ class _SSDCore(torch.autograd.Function):
         g_prev = torch.matmul(g_yoff.view(bcG, Q, k * P).transpose(1, 2), p["Cg"].view(bcG, Q, N))  # [bcG, kP, N]
         g_Cg = torch.matmul(g_yoff.view(bcG, Q, k * P), prev.view(bcG, k * P, N)).view(b, c, G, Q, N)
         del g_yoff
-        y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
         g_wout = (gy_q * y_off.view(b, c, G, Q, k, P)).sum(-1)  # [b, c, G, Q, k]
-        del y_off
         g_acs = g_wout.transpose(3, 4).reshape(b, c, H, Q) * p["w_out"]  # [b, c, H, Q] (d w_out / d acs = w_out)
 
         # 3. across chunks: small tensors, differentiated by autograd
