@@ -140,7 +140,7 @@ def _run_part(part: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (best of)")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (best of)")
     ap.add_argument("--part", choices=("mixer", "prefill"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     L, hidden = (512, 256) if args.quick else (4096, 1024)
