@@ -270,6 +270,14 @@ class _SSDCore(torch.autograd.Function):
                 "w_end": w_end, "w_out": w_out, "CB": CB}
 
     @staticmethod
+    def _b_end(p: dict) -> Tensor:
+        """``B_s * w_end[h, s]``: ``[b, c, H, Q, N]`` (the chunk-state matmul's right operand, per head)."""
+        b, c, G, Q, N = p["Bg"].shape
+        H = p["w_end"].shape[2]
+        Bw = p["Bg"].unsqueeze(3) * p["w_end"].view(b, c, G, H // G, Q, 1)  # [b, c, G, k, Q, N]
+        return Bw.view(b, c, H, Q, N)
+
+    @staticmethod
     def forward(ctx, x, dt, A, B, C, D, init, seq, Q: int):
         b, Tp, H, P = x.shape
         G, N = B.shape[2], B.shape[3]
@@ -277,10 +285,9 @@ class _SSDCore(torch.autograd.Function):
         bcG = b * c * G
         p = _SSDCore._prep(x, dt, A, B, C, seq, Q)
         y_h = _intra_fwd(p["acs"], p["CB"], p["xdt"], p["keep"])  # [b, c, H, Q, P]
-        xwT = x.new_empty(b, c, H, P, Q)  # (x dt w_end)ᵀ per head, laid out for the matmul with B
-        torch.mul(p["xdt"].transpose(-1, -2), p["w_end"].unsqueeze(-2), out=xwT)
-        states = torch.matmul(xwT.view(bcG, k * P, Q), p["Bg"].view(bcG, Q, N)).view(b, c, H, P, N)
-        del xwT
+        Bw = _SSDCore._b_end(p)  # [b, c, H, Q, N] B scaled by each head's decay to the chunk end
+        states = torch.matmul(p["xdt"].transpose(-1, -2), Bw)  # [b, c, H, P, N]
+        del Bw
         prev, final = _inter_chunk(p["acs"][..., -1], states, init, p["seq_ext"])
         prev = prev.contiguous()  # [b, c, H, P, N]
         y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
@@ -344,13 +351,11 @@ class _SSDCore(torch.autograd.Function):
             g_last = torch.zeros_like(last)
 
         # 2. chunk states = (x dt w_end)ᵀ B
-        g_xwT = torch.matmul(g_states.reshape(bcG, k * P, N), p["Bg"].view(bcG, Q, N).transpose(1, 2))  # [bcG, kP, Q]
-        xwT = x.new_empty(b, c, H, P, Q)
-        torch.mul(p["xdt"].transpose(-1, -2), p["w_end"].unsqueeze(-2), out=xwT)
-        g_Bg = torch.matmul(xwT.view(bcG, k * P, Q).transpose(1, 2), g_states.reshape(bcG, k * P, N))  # [bcG, Q, N]
-        del xwT
-        g_xwT = g_xwT.view(b, c, H, P, Q)
-        g_wend = (g_xwT * p["xdt"].transpose(-1, -2)).sum(-2)  # [b, c, H, Q]
+        g_states = g_states.contiguous()  # [b, c, H, P, N]
+        g_Bw = torch.matmul(p["xdt"], g_states).view(b, c, G, k, Q, N)  # [b, c, G, k, Q, N]
+        g_Bg = (g_Bw * p["w_end"].view(b, c, G, k, Q, 1)).sum(3)  # [b, c, G, Q, N]
+        g_wend = (g_Bw * p["Bg"].unsqueeze(3)).sum(-1).view(b, c, H, Q)  # [b, c, H, Q]
+        del g_Bw
         gw = g_wend * p["w_end"]  # d w_end / d acs_q = -w_end, d w_end / d acs_last = +w_end
         g_acs = g_acs - gw
         g_acs[..., -1] += gw.sum(-1) + g_last
@@ -362,8 +367,10 @@ class _SSDCore(torch.autograd.Function):
         del gy_h
         g_acs += g_acs_i
         g_Cg += torch.matmul(g_CB, p["Bg"])  # [b, c, G, Q, N]
-        g_Bg = g_Bg.view(b, c, G, Q, N) + torch.matmul(g_CB.transpose(-1, -2), p["Cg"])
-        g_xdt.addcmul_(g_xwT.transpose(-1, -2), p["w_end"].unsqueeze(-1))  # + the chunk-state path
+        g_Bg += torch.matmul(g_CB.transpose(-1, -2), p["Cg"])
+        Bw = _SSDCore._b_end(p)
+        g_xdt.view(-1, Q, P).baddbmm_(Bw.view(-1, Q, N), g_states.view(-1, P, N).transpose(1, 2))  # + state path
+        del Bw
 
         # back to x, dt (token-major) and A
         g_xdt_t = g_xdt.transpose(2, 3)  # [b, c, Q, H, P] (view)
