@@ -1,0 +1,47 @@
+"""The mixer runs the fused gated norm only for an unmodified stock norm; hooks and subclasses get the module."""
+
+from __future__ import annotations
+
+import torch
+
+import safepad
+from safepad.mixers.common import gated_norm
+from safepad.testing.tiny import tiny_model
+
+
+def test_stock_norm_is_fused_and_equal_to_the_module():
+    model = tiny_model("nemotron_h", seed=0)
+    norm = next(m for m in model.modules() if type(m).__name__ == "NemotronHRMSNormGated")
+    y, gate = torch.randn(2, 5, norm.weight.numel()), torch.randn(2, 5, norm.weight.numel())
+    calls = []
+    norm.register_forward_hook(lambda *a: calls.append(1))
+    via_module = gated_norm(norm, y, gate)  # a hook: the module runs, and the hook sees it
+    assert calls == [1]
+    norm._forward_hooks.clear()
+    fused = gated_norm(norm, y, gate)  # no hook: the fused op, same result
+    assert calls == [1]
+    torch.testing.assert_close(fused, via_module, rtol=1e-6, atol=1e-6)
+
+
+def test_hook_on_the_norm_fires_inside_a_wrapped_model():
+    model = safepad.wrap(tiny_model("nemotron_h", seed=0))
+    seen = []
+    for m in model.modules():
+        if type(m).__name__ == "NemotronHRMSNormGated":
+            m.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    model(input_ids=torch.randint(3, 100, (1, 9)))
+    assert seen, "the wrapped mixers must call a hooked norm as a module"
+
+
+def test_subclassed_norm_is_called_as_module():
+    model = tiny_model("nemotron_h", seed=0)
+    norm = next(m for m in model.modules() if type(m).__name__ == "NemotronHRMSNormGated")
+
+    class Doubled(type(norm)):
+        def forward(self, hidden_states, gate=None):
+            return 2 * super().forward(hidden_states, gate)
+
+    y, gate = torch.randn(1, 4, norm.weight.numel()), torch.randn(1, 4, norm.weight.numel())
+    ref = gated_norm(norm, y, gate)
+    norm.__class__ = Doubled
+    torch.testing.assert_close(gated_norm(norm, y, gate), 2 * ref)
