@@ -189,7 +189,7 @@ def _chunk_masks(seq_idx: Tensor | None, b: int, c: int, Q: int, device: torch.d
     causal = torch.ones(Q, Q, dtype=torch.bool, device=device).tril()  # [Q, Q] (l, s): s <= l
     if seq_idx is None:
         return causal, None, None, None
-    sq = seq_idx.view(b, c, Q)  # [b, c, Q]
+    sq = seq_idx.reshape(b, c, Q)  # [b, c, Q]
     keep = (causal & (sq.unsqueeze(-1) == sq.unsqueeze(-2))).unsqueeze(2)  # [b, c, 1, Q, Q]
     seq_ext = torch.cat([sq[:, :1, 0], sq[:, :, -1]], dim=1)  # [b, c+1]
     same_last = (sq == sq[..., -1:]).unsqueeze(2)  # [b, c, 1, Q]
@@ -259,10 +259,10 @@ class _SSDCore(torch.autograd.Function):
         G, N = B.shape[2], B.shape[3]
         c = Tp // Q
         xdt = x.new_empty(b, c, H, Q, P)  # [b, c, H, Q, P] head-major inside each chunk
-        torch.mul(x.view(b, c, Q, H, P).transpose(2, 3), dt.view(b, c, Q, H).transpose(2, 3).unsqueeze(-1), out=xdt)
-        acs = torch.cumsum(dt.view(b, c, Q, H) * A, dim=2).transpose(2, 3).contiguous()  # [b, c, H, Q]
-        Bg = B.view(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
-        Cg = C.view(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
+        torch.mul(x.reshape(b, c, Q, H, P).transpose(2, 3), dt.reshape(b, c, Q, H).transpose(2, 3).unsqueeze(-1), out=xdt)
+        acs = torch.cumsum(dt.reshape(b, c, Q, H) * A, dim=2).transpose(2, 3).contiguous()  # [b, c, H, Q]
+        Bg = B.reshape(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
+        Cg = C.reshape(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
         keep, seq_ext, same_last, same_prev = _chunk_masks(seq, b, c, Q, x.device)
         w_end, w_out = _chunk_weights(acs, same_last, same_prev)  # [b, c, H, Q] each
         CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
@@ -375,14 +375,14 @@ class _SSDCore(torch.autograd.Function):
         # back to x, dt (token-major) and A
         g_xdt_t = g_xdt.transpose(2, 3)  # [b, c, Q, H, P] (view)
         g_x = x.new_empty(b, c, Q, H, P)
-        torch.mul(g_xdt_t, dt.view(b, c, Q, H, 1), out=g_x)
+        torch.mul(g_xdt_t, dt.reshape(b, c, Q, H, 1), out=g_x)
         g_x = g_x.view(b, Tp, H, P)
         if D is not None:
             g_x.addcmul_(gy, _d_term(D, x))
-        g_dt = (g_xdt_t * x.view(b, c, Q, H, P)).sum(-1)  # [b, c, Q, H]
+        g_dt = (g_xdt_t * x.reshape(b, c, Q, H, P)).sum(-1)  # [b, c, Q, H]
         g_a = g_acs.flip(-1).cumsum(-1).flip(-1).transpose(2, 3)  # [b, c, Q, H] through acs = cumsum(dt A)
         g_dt = (g_dt + g_a * A).view(b, Tp, H)
-        g_A = (g_a * dt.view(b, c, Q, H)).sum((0, 1, 2))
+        g_A = (g_a * dt.reshape(b, c, Q, H)).sum((0, 1, 2))
         g_B = g_Bg.transpose(2, 3).reshape(b, Tp, G, N)
         g_C = g_Cg.transpose(2, 3).reshape(b, Tp, G, N)
         return g_x, g_dt, g_A, g_B, g_C, g_D, g_init, None, None
