@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,8 @@ from ..context import context_decode_mask, current_context, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.norm import gated_rms_norm
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_KWARGS",
@@ -168,14 +171,48 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     )
 
 
+#: per norm class: does its forward compute exactly gated_rms_norm? Checked numerically once per class, so a
+#: transformers release that changes the math falls back to the module instead of silently diverging.
+_FUSABLE: dict[type, bool] = {}
+
+
+def _same_math(norm: torch.nn.Module) -> bool:
+    cls = type(norm)
+    if cls not in _FUSABLE:
+        ok = False
+        try:
+            I = norm.weight.numel()  # noqa: E741
+            g = torch.Generator().manual_seed(0)
+            y = torch.randn(2, 3, I, generator=g).to(norm.weight)
+            z = torch.randn(2, 3, I, generator=g).to(norm.weight)
+            with torch.no_grad():
+                ref = norm(y, z)
+                out = gated_rms_norm(y, z, norm.weight, norm.group_size, norm.variance_epsilon)
+            ok = ref.shape == out.shape and ref.dtype == out.dtype and torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+        except (AttributeError, TypeError, ValueError, RuntimeError) as err:
+            logger.debug("gated norm %s not fusable: %s", cls.__name__, err)
+        if not ok:
+            logger.warning(
+                "%s does not compute the gated group RMSNorm safepad expects; safepad calls it as a module",
+                cls.__qualname__,
+            )
+        _FUSABLE[cls] = ok
+    return _FUSABLE[cls]
+
+
 def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor) -> Tensor:
     """The mixer's gated norm ``norm(y, gate)``, ``[B, T, I]`` each.
 
-    An unmodified stock gated group RMSNorm (exact class, no hooks) runs as the blocked
-    :func:`~safepad.ops.norm.gated_rms_norm` (the same math, several times fewer memory passes); anything
-    else (a subclass, a PEFT wrapper, a module with hooks) is called as the module.
+    An unmodified stock gated group RMSNorm (exact class, no hooks, and checked once per class to compute the
+    same math) runs as the blocked :func:`~safepad.ops.norm.gated_rms_norm` (several times fewer memory
+    passes); anything else (a subclass, a PEFT wrapper, a module with hooks) is called as the module.
     """
     cls = type(norm)
-    if cls.__name__ in STOCK_GATED_NORMS and cls.__module__.startswith("transformers.") and not _has_hooks(norm):
+    if (
+        cls.__name__ in STOCK_GATED_NORMS
+        and cls.__module__.startswith("transformers.")
+        and not _has_hooks(norm)
+        and _same_math(norm)
+    ):
         return gated_rms_norm(y, gate, norm.weight, norm.group_size, norm.variance_epsilon)
     return norm(y, gate)

@@ -45,3 +45,25 @@ def test_subclassed_norm_is_called_as_module():
     ref = gated_norm(norm, y, gate)
     norm.__class__ = Doubled
     torch.testing.assert_close(gated_norm(norm, y, gate), 2 * ref)
+
+
+def test_a_stock_named_norm_with_other_math_is_called_as_module(caplog):
+    """A future transformers release that changes the norm's math must not be silently replaced by ours."""
+
+    class Changed(torch.nn.Module):  # same name and package as a stock class, different math (no gate)
+        def __init__(self, n):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(n))
+            self.group_size, self.variance_epsilon = n, 1e-6
+
+        def forward(self, hidden_states, gate=None):
+            return self.weight * hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    Changed.__name__ = Changed.__qualname__ = "NemotronHRMSNormGated"
+    Changed.__module__ = "transformers.models.nemotron_h.modeling_nemotron_h"
+    norm = Changed(8)
+    y, gate = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    with caplog.at_level("WARNING", logger="safepad.mixers.common"):
+        out = gated_norm(norm, y, gate)
+    torch.testing.assert_close(out, norm(y, gate))
+    assert "calls it as a module" in caplog.text
