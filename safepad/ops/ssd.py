@@ -208,11 +208,14 @@ def _chunk_weights(acs: Tensor, same_last: Tensor | None, same_prev: Tensor | No
     return w_end, w_out
 
 
-def _inter_chunk(last: Tensor, states: Tensor, init: Tensor | None, seq_ext: Tensor | None) -> tuple[Tensor, Tensor]:
+def _inter_chunk(
+    last: Tensor, states: Tensor, init: Tensor | None, seq_ext: Tensor | None, with_weights: bool = False
+) -> tuple[Tensor, ...]:
     """States entering each chunk and the final state, from each chunk's own end state.
 
     last ``[b, c, H]`` each chunk's total log-decay; states ``[b, c, H, P, N]``; init ``[b, H, P, N]`` | None;
-    seq_ext ``[b, c+1]`` | None (see :func:`_chunk_masks`). Returns ``(prev [b, c, H, P, N], final [b, H, P, N])``.
+    seq_ext ``[b, c+1]`` | None (see :func:`_chunk_masks`). Returns ``(prev [b, c, H, P, N], final [b, H, P, N])``,
+    plus ``(W, flat)`` for :func:`_inter_chunk_bwd` when ``with_weights``.
 
     The state entering chunk z (z = c: the final state) is a decayed sum over the states left by earlier
     chunks of the same sequence (e = 0 is the initial state, e = c' + 1 is chunk c'): W[z, e] = exp(sum of
@@ -237,7 +240,37 @@ def _inter_chunk(last: Tensor, states: Tensor, init: Tensor | None, seq_ext: Ten
         keep_c = keep_c & (seq_ext.unsqueeze(-1) == seq_ext.unsqueeze(-2)).unsqueeze(1)  # [b, 1, c+1, c+1]
     W = _exp(seg_c.masked_fill(~keep_c, float("-inf")))  # [b, H, c+1, c+1]
     entering = torch.matmul(W, flat).view(b, H, c + 1, P, N)  # [b, H, c+1, P, N]
-    return entering[:, :, :c].transpose(1, 2), entering[:, :, c]
+    prev, final = entering[:, :, :c].transpose(1, 2), entering[:, :, c]
+    return (prev, final, W, flat) if with_weights else (prev, final)
+
+
+def _inter_chunk_bwd(
+    W: Tensor, flat: Tensor, g_prev: Tensor, g_final: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_inter_chunk` from its saved ``W`` ``[b, H, c+1, c+1]`` and ``flat`` ``[b, H, c+1, PN]``.
+
+    g_prev ``[b, c, H, P, N]``; g_final ``[b, H, P, N]`` | None. Returns ``(g_last [b, c, H],
+    g_states [b, c, H, P, N], g_init [b, H, P, N])``.
+    """
+    b, H, c1, PN = flat.shape
+    c = c1 - 1
+    g_ent = flat.new_empty(b, H, c1, PN)  # [b, H, c+1, PN] gradient of the entering states
+    g_ent[:, :, :c] = g_prev.reshape(b, c, H, PN).transpose(1, 2)
+    if g_final is None:
+        g_ent[:, :, c] = 0.0
+    else:
+        g_ent[:, :, c] = g_final.reshape(b, H, PN)
+    g_flat = torch.matmul(W.transpose(-1, -2), g_ent)  # [b, H, c+1, PN]
+    g_seg = torch.matmul(g_ent, flat.transpose(-1, -2)).mul_(W)  # [b, H, c+1 (z), c+1 (e)] d/d seg_c
+    # seg_c[z, e] = sum_{e < i <= z} v[i]: reverse cumsum over z, keep i > e, sum over e
+    rev = g_seg.flip(-2).cumsum(-2).flip(-2)  # [b, H, c+1 (i), c+1 (e)] = sum_{z >= i} g_seg[z, e]
+    strict = torch.ones(c1, c1, dtype=torch.bool, device=flat.device).tril(-1)  # i > e
+    g_v = rev.masked_fill_(~strict, 0.0).sum(-1)  # [b, H, c+1]
+    g_last = g_v[:, :, 1:].transpose(1, 2)  # [b, c, H]; v[i] is chunk i-1's log-decay
+    P_N = g_prev.shape[-2:]
+    g_states = g_flat[:, :, 1:].transpose(1, 2).reshape(b, c, H, *P_N)  # [b, c, H, P, N]
+    g_init = g_flat[:, :, 0].reshape(b, H, *P_N)  # [b, H, P, N]
+    return g_last, g_states, g_init
 
 
 class _SSDCore(torch.autograd.Function):
@@ -250,7 +283,7 @@ class _SSDCore(torch.autograd.Function):
     Same math as :func:`_ssd_autograd`, with every large tensor in the layout its consumer wants: ``x·dt``
     is written once head-major for the matmuls, ``y`` is assembled token-major in one pass, and backward
     rebuilds the cheap intermediates instead of saving them (it keeps the ``[b, c, H, P, N]`` chunk states and
-    the inter-chunk output ``C·prev``). The small across-chunk part is differentiated by autograd inside backward.
+    the inter-chunk output ``C·prev``).
     """
 
     @staticmethod
@@ -288,7 +321,8 @@ class _SSDCore(torch.autograd.Function):
         Bw = _SSDCore._b_end(p)  # [b, c, H, Q, N] B scaled by each head's decay to the chunk end
         states = torch.matmul(p["xdt"].transpose(-1, -2), Bw)  # [b, c, H, P, N]
         del Bw
-        prev, final = _inter_chunk(p["acs"][..., -1], states, init, p["seq_ext"])
+        prev, final, W, flat = _inter_chunk(p["acs"][..., -1], states, init, p["seq_ext"], with_weights=True)
+        del states
         prev = prev.contiguous()  # [b, c, H, P, N]
         y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
         y = x.new_empty(b, c, Q, H, P)  # token-major output
@@ -302,13 +336,13 @@ class _SSDCore(torch.autograd.Function):
         if D is not None:
             y.addcmul_(x, _d_term(D, x))
         ctx.Q = Q
-        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, states, prev, y_off)
+        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, W, flat, prev, y_off)
         return y, final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: Tensor, g_final: Tensor):
-        x, dt, A, B, C, D, init, seq, states, prev, y_off = ctx.saved_tensors
+        x, dt, A, B, C, D, init, seq, W, flat, prev, y_off = ctx.saved_tensors
         Q = ctx.Q
         b, Tp, H, P = x.shape
         G, N = B.shape[2], B.shape[3]
@@ -333,22 +367,10 @@ class _SSDCore(torch.autograd.Function):
         g_wout = (gy_q * y_off.view(b, c, G, Q, k, P)).sum(-1)  # [b, c, G, Q, k]
         g_acs = g_wout.transpose(3, 4).reshape(b, c, H, Q) * p["w_out"]  # [b, c, H, Q] (d w_out / d acs = w_out)
 
-        # 3. across chunks: small tensors, differentiated by autograd
-        with torch.enable_grad():
-            last = p["acs"][..., -1].detach().requires_grad_()  # [b, c, H]
-            st = states.detach().requires_grad_()
-            want_init = init is not None and ctx.needs_input_grad[6]
-            ini = init.detach().requires_grad_() if want_init else init
-            prev_r, final_r = _inter_chunk(last, st, ini, p["seq_ext"])
-            outs, grads = [prev_r], [g_prev.view(b, c, H, P, N)]
-            if g_final is not None:
-                outs.append(final_r)
-                grads.append(g_final)
-            res = torch.autograd.grad(outs, [last, st] + ([ini] if want_init else []), grads, allow_unused=True)
-        g_last, g_states = res[0], res[1]
-        g_init = res[2] if want_init else None
-        if g_last is None:
-            g_last = torch.zeros_like(last)
+        # 3. across chunks
+        g_last, g_states, g_init = _inter_chunk_bwd(W, flat, g_prev.view(b, c, H, P, N), g_final)
+        if init is None or not ctx.needs_input_grad[6]:
+            g_init = None
 
         # 2. chunk states = (x dt w_end)ᵀ B
         g_states = g_states.contiguous()  # [b, c, H, P, N]
