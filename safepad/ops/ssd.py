@@ -126,7 +126,7 @@ def _intra_fwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
 
 
 def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`_intra_fwd` for ``gy`` ``[b, c, H, Q, P]``: ``(g_acs, g_CB, g_xdt)``.
+    """Gradients of :func:`_intra_fwd` for ``gy`` ``[b, c, H, Q, P]`` (any strides): ``(g_acs, g_CB, g_xdt)``.
 
     The decay and score matrices are rebuilt block by block instead of being kept from the forward.
     """
@@ -135,12 +135,13 @@ def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -
     k = H // G
     acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(acs, CB, xdt, keep)
     n = b * c
-    gy_f = gy.reshape(n, H, Q, P)  # [n, H, Q, P]
+    gy_f = gy.flatten(0, 1)  # [n, H, Q, P] (a view; may be strided, e.g. token-major underneath)
     g_xdt = xdt.new_empty(n, H, Q, P)
     g_acs = acs.new_empty(n, H, Q)
     g_CB = CB.new_empty(n, G, Q, Q)
     m0 = min(step, n)
     decay_ws, scores_ws, gs_ws = (xdt.new_empty(m0, H, Q, Q) for _ in range(3))  # [m, H, Q, Q] each
+    gy_ws = None if gy_f.is_contiguous() else xdt.new_empty(m0, H, Q, P)  # block copy of a strided gy
     for i0 in range(0, n, step):
         i1 = min(i0 + step, n)
         m = i1 - i0
@@ -148,7 +149,7 @@ def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -
         decay = _decay_into(decay_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
         scores = scores_ws[:m]
         torch.mul(decay.view(m, G, k, Q, Q), CB_f[i0:i1].unsqueeze(2), out=scores.view(m, G, k, Q, Q))
-        g = gy_f[i0:i1]  # [m, H, Q, P]
+        g = gy_f[i0:i1] if gy_ws is None else gy_ws[:m].copy_(gy_f[i0:i1])  # [m, H, Q, P]
         torch.matmul(scores.transpose(-1, -2), g, out=g_xdt[i0:i1])  # [m, H, Q, P]
         g_scores = torch.matmul(g, xdt_f[i0:i1].transpose(-1, -2), out=gs_ws[:m])  # [m, H, Q, Q]
         g_seg = scores.mul_(g_scores)  # [m, H, Q, Q] d/d(acs_l - acs_s); zero where masked
@@ -383,10 +384,8 @@ class _SSDCore(torch.autograd.Function):
         g_acs[..., -1] += gw.sum(-1) + g_last
 
         # 1. intra-chunk
-        gy_h = x.new_empty(b, c, H, Q, P)  # head-major copy of gy for the block matmuls
-        gy_h.view(b, c, G, k, Q, P).copy_(gy_q.transpose(3, 4))
+        gy_h = gy.view(b, c, Q, H, P).transpose(2, 3)  # [b, c, H, Q, P] head-major view, copied block by block
         g_acs_i, g_CB, g_xdt = _intra_bwd(p["acs"], p["CB"], p["xdt"], p["keep"], gy_h)
-        del gy_h
         g_acs += g_acs_i
         g_Cg += torch.matmul(g_CB, p["Bg"])  # [b, c, G, Q, N]
         g_Bg += torch.matmul(g_CB.transpose(-1, -2), p["Cg"])
