@@ -203,14 +203,16 @@ def _same_math(norm: torch.nn.Module) -> bool:
 def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor) -> Tensor:
     """The mixer's gated norm ``norm(y, gate)``, ``[B, T, I]`` each.
 
-    An unmodified stock gated group RMSNorm (exact class, no hooks, and checked once per class to compute the
-    same math) runs as the blocked :func:`~safepad.ops.norm.gated_rms_norm` (several times fewer memory
-    passes); anything else (a subclass, a PEFT wrapper, a module with hooks) is called as the module.
+    An unmodified stock gated group RMSNorm (exact class, no hooks, no per-instance ``forward``, and checked
+    once per class to compute the same math) runs as the blocked :func:`~safepad.ops.norm.gated_rms_norm`
+    (several times fewer memory passes); anything else (a subclass, a PEFT wrapper, a module with hooks or
+    with accelerate's replaced ``forward``) is called as the module.
     """
     cls = type(norm)
     if (
         cls.__name__ in STOCK_GATED_NORMS
         and cls.__module__.startswith("transformers.")
+        and "forward" not in vars(norm)  # accelerate's device/offload hooks replace the instance's forward
         and not _has_hooks(norm)
         and _same_math(norm)
     ):

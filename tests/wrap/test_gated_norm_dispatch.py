@@ -67,3 +67,20 @@ def test_a_stock_named_norm_with_other_math_is_called_as_module(caplog):
         out = gated_norm(norm, y, gate)
     torch.testing.assert_close(out, norm(y, gate))
     assert "calls it as a module" in caplog.text
+
+
+def test_instance_forward_override_is_called_as_module():
+    """accelerate's device/offload hooks replace ``module.forward`` on the instance: it must still run."""
+    model = tiny_model("nemotron_h", seed=0)
+    norm = next(m for m in model.modules() if type(m).__name__ == "NemotronHRMSNormGated")
+    original = norm.forward
+    calls = []
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    norm.forward = hooked
+    y, gate = torch.randn(1, 4, norm.weight.numel()), torch.randn(1, 4, norm.weight.numel())
+    gated_norm(norm, y, gate)
+    assert calls == [1]
