@@ -209,14 +209,11 @@ def _chunk_weights(acs: Tensor, same_last: Tensor | None, same_prev: Tensor | No
     return w_end, w_out
 
 
-def _inter_chunk(
-    last: Tensor, states: Tensor, init: Tensor | None, seq_ext: Tensor | None, with_weights: bool = False
-) -> tuple[Tensor, ...]:
+def _inter_chunk(last: Tensor, states: Tensor, init: Tensor | None, seq_ext: Tensor | None) -> tuple[Tensor, Tensor]:
     """States entering each chunk and the final state, from each chunk's own end state.
 
     last ``[b, c, H]`` each chunk's total log-decay; states ``[b, c, H, P, N]``; init ``[b, H, P, N]`` | None;
-    seq_ext ``[b, c+1]`` | None (see :func:`_chunk_masks`). Returns ``(prev [b, c, H, P, N], final [b, H, P, N])``,
-    plus ``(W, flat)`` for :func:`_inter_chunk_bwd` when ``with_weights``.
+    seq_ext ``[b, c+1]`` | None (see :func:`_chunk_masks`). Returns ``(prev [b, c, H, P, N], final [b, H, P, N])``.
 
     The state entering chunk z (z = c: the final state) is a decayed sum over the states left by earlier
     chunks of the same sequence (e = 0 is the initial state, e = c' + 1 is chunk c'): W[z, e] = exp(sum of
@@ -241,37 +238,47 @@ def _inter_chunk(
         keep_c = keep_c & (seq_ext.unsqueeze(-1) == seq_ext.unsqueeze(-2)).unsqueeze(1)  # [b, 1, c+1, c+1]
     W = _exp(seg_c.masked_fill(~keep_c, float("-inf")))  # [b, H, c+1, c+1]
     entering = torch.matmul(W, flat).view(b, H, c + 1, P, N)  # [b, H, c+1, P, N]
-    prev, final = entering[:, :, :c].transpose(1, 2), entering[:, :, c]
-    return (prev, final, W, flat) if with_weights else (prev, final)
+    return entering[:, :, :c].transpose(1, 2), entering[:, :, c]
 
 
-def _inter_chunk_bwd(
-    W: Tensor, flat: Tensor, g_prev: Tensor, g_final: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`_inter_chunk` from its saved ``W`` ``[b, H, c+1, c+1]`` and ``flat`` ``[b, H, c+1, PN]``.
+def _chunk_decays(last: Tensor, seq_ext: Tensor | None) -> Tensor:
+    """``d`` ``[b, c, H]``: the factor carrying the state entering chunk j into chunk j+1 (its total decay, 0
+    where chunk j+1 starts a new sequence)."""
+    d = _exp(last)
+    if seq_ext is not None:
+        d = d * (seq_ext[:, 1:] == seq_ext[:, :-1]).to(d.dtype).unsqueeze(-1)
+    return d
 
-    g_prev ``[b, c, H, P, N]``; g_final ``[b, H, P, N]`` | None. Returns ``(g_last [b, c, H],
-    g_states [b, c, H, P, N], g_init [b, H, P, N])``.
+
+def _carry_states(states: Tensor, d: Tensor, init: Tensor | None) -> tuple[Tensor, Tensor]:
+    """States entering each chunk, as a short loop over chunks: ``enter[j+1] = states[j] + d[j] * enter[j]``.
+
+    Same values as :func:`_inter_chunk` (which the autograd path keeps), in O(c) work on ``[b, H, P, N]``
+    slices instead of a ``[c+1, c+1]`` matmul. states ``[b, c, H, P, N]``; d ``[b, c, H]``; init
+    ``[b, H, P, N]`` | None. Returns ``(prev [b, c, H, P, N], final [b, H, P, N])``.
     """
-    b, H, c1, PN = flat.shape
-    c = c1 - 1
-    g_ent = flat.new_empty(b, H, c1, PN)  # [b, H, c+1, PN] gradient of the entering states
-    g_ent[:, :, :c] = g_prev.reshape(b, c, H, PN).transpose(1, 2)
-    if g_final is None:
-        g_ent[:, :, c] = 0.0
-    else:
-        g_ent[:, :, c] = g_final.reshape(b, H, PN)
-    g_flat = torch.matmul(W.transpose(-1, -2), g_ent)  # [b, H, c+1, PN]
-    g_seg = torch.matmul(g_ent, flat.transpose(-1, -2)).mul_(W)  # [b, H, c+1 (z), c+1 (e)] d/d seg_c
-    # seg_c[z, e] = sum_{e < i <= z} v[i]: reverse cumsum over z, keep i > e, sum over e
-    rev = g_seg.flip(-2).cumsum(-2).flip(-2)  # [b, H, c+1 (i), c+1 (e)] = sum_{z >= i} g_seg[z, e]
-    strict = torch.ones(c1, c1, dtype=torch.bool, device=flat.device).tril(-1)  # i > e
-    g_v = rev.masked_fill_(~strict, 0.0).sum(-1)  # [b, H, c+1]
-    g_last = g_v[:, :, 1:].transpose(1, 2)  # [b, c, H]; v[i] is chunk i-1's log-decay
-    P_N = g_prev.shape[-2:]
-    g_states = g_flat[:, :, 1:].transpose(1, 2).reshape(b, c, H, *P_N)  # [b, c, H, P, N]
-    g_init = g_flat[:, :, 0].reshape(b, H, *P_N)  # [b, H, P, N]
-    return g_last, g_states, g_init
+    b, c, H, P, N = states.shape
+    prev = states.new_empty(b, c, H, P, N)
+    state = states.new_zeros(b, H, P, N) if init is None else init
+    for j in range(c):
+        prev[:, j] = state
+        state = torch.addcmul(states[:, j], state, d[:, j, :, None, None])  # [b, H, P, N]
+    return prev, state
+
+
+def _carry_states_bwd(
+    prev: Tensor, d: Tensor, g_prev: Tensor, g_final: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_carry_states`: ``(g_states [b, c, H, P, N], g_d [b, c, H], g_init [b, H, P, N])``."""
+    b, c, H, P, N = prev.shape
+    g_states = prev.new_empty(b, c, H, P, N)
+    g_d = prev.new_empty(b, c, H)
+    g = prev.new_zeros(b, H, P, N) if g_final is None else g_final  # d loss / d enter[j+1]
+    for j in reversed(range(c)):
+        g_states[:, j] = g
+        g_d[:, j] = (g * prev[:, j]).sum((-1, -2))
+        g = torch.addcmul(g_prev[:, j], g, d[:, j, :, None, None])  # d loss / d enter[j]
+    return g_states, g_d, g
 
 
 class _SSDCore(torch.autograd.Function):
@@ -283,8 +290,8 @@ class _SSDCore(torch.autograd.Function):
 
     Same math as :func:`_ssd_autograd`, with every large tensor in the layout its consumer wants: ``x·dt``
     is written once head-major for the matmuls, ``y`` is assembled token-major in one pass, and backward
-    rebuilds the cheap intermediates instead of saving them (it keeps the ``[b, c, H, P, N]`` chunk states and
-    the inter-chunk output ``C·prev``).
+    rebuilds the cheap intermediates instead of saving them (it keeps the states entering each chunk and the
+    inter-chunk output ``C·prev``). Across chunks the state is carried by a short loop over chunks.
     """
 
     @staticmethod
@@ -322,9 +329,9 @@ class _SSDCore(torch.autograd.Function):
         Bw = _SSDCore._b_end(p)  # [b, c, H, Q, N] B scaled by each head's decay to the chunk end
         states = torch.matmul(p["xdt"].transpose(-1, -2), Bw)  # [b, c, H, P, N]
         del Bw
-        prev, final, W, flat = _inter_chunk(p["acs"][..., -1], states, init, p["seq_ext"], with_weights=True)
+        d = _chunk_decays(p["acs"][..., -1], p["seq_ext"])  # [b, c, H]
+        prev, final = _carry_states(states, d, init)  # [b, c, H, P, N], [b, H, P, N]
         del states
-        prev = prev.contiguous()  # [b, c, H, P, N]
         y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
         y = x.new_empty(b, c, Q, H, P)  # token-major output
         torch.addcmul(
@@ -337,13 +344,13 @@ class _SSDCore(torch.autograd.Function):
         if D is not None:
             y.addcmul_(x, _d_term(D, x))
         ctx.Q = Q
-        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, W, flat, prev, y_off)
+        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, d, prev, y_off)
         return y, final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: Tensor, g_final: Tensor):
-        x, dt, A, B, C, D, init, seq, W, flat, prev, y_off = ctx.saved_tensors
+        x, dt, A, B, C, D, init, seq, d, prev, y_off = ctx.saved_tensors
         Q = ctx.Q
         b, Tp, H, P = x.shape
         G, N = B.shape[2], B.shape[3]
@@ -369,7 +376,8 @@ class _SSDCore(torch.autograd.Function):
         g_acs = g_wout.transpose(3, 4).reshape(b, c, H, Q) * p["w_out"]  # [b, c, H, Q] (d w_out / d acs = w_out)
 
         # 3. across chunks
-        g_last, g_states, g_init = _inter_chunk_bwd(W, flat, g_prev.view(b, c, H, P, N), g_final)
+        g_states, g_d, g_init = _carry_states_bwd(prev, d, g_prev.view(b, c, H, P, N), g_final)
+        g_last = g_d * d  # d = exp(last) (or 0): d d / d last = d
         if init is None or not ctx.needs_input_grad[6]:
             g_init = None
 
