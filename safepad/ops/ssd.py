@@ -649,7 +649,7 @@ def ssd_scan(
         None if D is None else D.to(ct),
         seq_idx,
         None if initial_state is None else initial_state.to(ct),
-        chunk_size,
+        min(chunk_size, T),  # a row shorter than a chunk is one chunk of its own length, not padded to chunk_size
         return_varlen_states,
     )
     out: list[Tensor] = [y.to(x.dtype)]
