@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -49,9 +50,7 @@ def _interleaved(fns: dict, rounds: int) -> tuple[dict[str, float], dict[str, li
 
 
 def _median_ratio(num: list[float], den: list[float]) -> float:
-    r = sorted(a / b for a, b in zip(num, den))
-    n = len(r)
-    return r[n // 2] if n % 2 else 0.5 * (r[n // 2 - 1] + r[n // 2])
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def _mixer(hidden: int, heads: int, head_dim: int, state: int, groups: int, chunk: int):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as mod
 
 from ..context import context_decode_mask, current_context, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
@@ -149,16 +150,7 @@ def hold_masked_rows(mask: Tensor | None, new: Tensor, old: Tensor | None) -> Te
     return torch.where(keep, new, old.to(new.dtype))
 
 
-#: transformers' gated group RMSNorm classes whose forward is exactly :func:`safepad.ops.norm.gated_rms_norm`
-#: (Falcon-H1's norm has other options and is always called as a module).
-STOCK_GATED_NORMS = frozenset(
-    ("MambaRMSNormGated", "BambaRMSNormGated", "NemotronHRMSNormGated", "GraniteMoeHybridRMSNormGated", "Zamba2RMSNormGated")
-)
-
-
 def _has_hooks(module: torch.nn.Module) -> bool:
-    from torch.nn.modules import module as mod
-
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
@@ -200,17 +192,20 @@ def _same_math(norm: torch.nn.Module) -> bool:
     return _FUSABLE[cls]
 
 
-def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor, stock_class: str | None) -> Tensor:
     """The mixer's gated norm ``norm(y, gate)``, ``[B, T, I]`` each.
 
-    An unmodified stock gated group RMSNorm (exact class, no hooks, no per-instance ``forward``, and checked
-    once per class to compute the same math) runs as the blocked :func:`~safepad.ops.norm.gated_rms_norm`
-    (several times fewer memory passes); anything else (a subclass, a PEFT wrapper, a module with hooks or
-    with accelerate's replaced ``forward``) is called as the module.
+    ``stock_class`` is the transformers class whose forward is :func:`~safepad.ops.norm.gated_rms_norm`, as
+    the family's spec declares it (``options["gated_norm"]``; None: always call the module). An unmodified
+    norm of that class (exact class, no hooks, no per-instance ``forward``, and checked once per class to
+    compute the same math) runs as the blocked op (several times fewer memory passes); anything else (a
+    subclass, a PEFT wrapper, a module with hooks or with accelerate's replaced ``forward``) is called as the
+    module.
     """
     cls = type(norm)
     if (
-        cls.__name__ in STOCK_GATED_NORMS
+        stock_class is not None
+        and cls.__name__ == stock_class
         and cls.__module__.startswith("transformers.")
         and "forward" not in vars(norm)  # accelerate's device/offload hooks replace the instance's forward
         and not _has_hooks(norm)

@@ -102,6 +102,6 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     if opts.get("optional_norm_attr") and not getattr(self, opts["optional_norm_attr"]):
         y = y * F.silu(gate.float()).to(y.dtype)  # Falcon-H1 without mamba_rms_norm: plain SiLU gate
     else:
-        y = gated_norm(self.norm, y, gate)
+        y = gated_norm(self.norm, y, gate, opts.get("gated_norm"))
     out = self.out_proj(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)

@@ -72,14 +72,8 @@ class _GatedRMSNorm(torch.autograd.Function):
             g_n = (go * w).view(m, G, S)  # [rb, G, S]
             dot = (g_n * n).mean(-1, keepdim=True)  # [rb, G, 1]
             g_u = torch.addcmul(g_n, n, dot, value=-1.0).mul_(r).view(m, I)  # [rb, I] through the RMS normalisation
-            if g_y.dtype == torch.float32:
-                torch.mul(g_u, s, out=g_y[r0:r1])
-            else:
-                g_y[r0:r1] = g_u * s
-            if g_gate.dtype == torch.float32:
-                torch.ops.aten.silu_backward.grad_input(g_u * yb, gf, grad_input=g_gate[r0:r1])
-            else:
-                g_gate[r0:r1] = torch.ops.aten.silu_backward(g_u * yb, gf)
+            torch.mul(g_u, s, out=g_y[r0:r1])  # written in (cast to) y's dtype
+            torch.ops.aten.silu_backward.grad_input(g_u * yb, gf, grad_input=g_gate[r0:r1])
         return g_y, g_gate, g_w.to(weight.dtype), None, None
 
 

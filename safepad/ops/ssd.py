@@ -173,7 +173,7 @@ class _IntraChunk(torch.autograd.Function):
         return (*_intra_bwd(acs, CB, xdt, keep, gy), None)
 
 
-def _d_term(D: Tensor, x: Tensor) -> Tensor:
+def _d_scale(D: Tensor, x: Tensor) -> Tensor:
     """``D [H] | [H, P]`` broadcast against ``x [..., H, P]``."""
     Dd = D.to(x.dtype)
     return Dd[:, None] if Dd.dim() == 1 else Dd
@@ -342,7 +342,7 @@ class _SSDCore(torch.autograd.Function):
         )
         y = y.view(b, Tp, H, P)
         if D is not None:
-            y.addcmul_(x, _d_term(D, x))
+            y.addcmul_(x, _d_scale(D, x))
         ctx.Q = Q
         ctx.save_for_backward(x, dt, A, B, C, D, init, seq, d, prev, y_off)
         return y, final
@@ -407,7 +407,7 @@ class _SSDCore(torch.autograd.Function):
         torch.mul(g_xdt_t, dt.reshape(b, c, Q, H, 1), out=g_x)
         g_x = g_x.view(b, Tp, H, P)
         if D is not None:
-            g_x.addcmul_(gy, _d_term(D, x))
+            g_x.addcmul_(gy, _d_scale(D, x))
         g_dt = (g_xdt_t * x.reshape(b, c, Q, H, P)).sum(-1)  # [b, c, Q, H]
         g_a = g_acs.flip(-1).cumsum(-1).flip(-1).transpose(2, 3)  # [b, c, Q, H] through acs = cumsum(dt A)
         g_dt = (g_dt + g_a * A).view(b, Tp, H)
@@ -497,7 +497,7 @@ def _ssd_autograd(
     y = y + y_off * w_out.unsqueeze(-1)  # [b, c, H, Q, P]
     y = y.transpose(2, 3).reshape(b, c * Q, H, P)  # [b, Tp, H, P]
     if D is not None:
-        y = y + x * _d_term(D, x)
+        y = y + x * _d_scale(D, x)
     varlen = _varlen_states(xdt_c, acs, Bg, prev, seq_full, seq_idx, T, Q)
     return y[:, :T], final_state, varlen
 
@@ -767,5 +767,5 @@ def ssd_step(
     new = decay * s + xdt * B.to(ct).view(Bsz, G, 1, 1, N)  # [B, G, k, P, N]
     y = (new * C.to(ct).view(Bsz, G, 1, 1, N)).sum(-1).reshape(Bsz, H, P)  # [B, H, P]
     if D is not None:
-        y = y + x.to(ct) * _d_term(D.to(ct), x)
+        y = y + x.to(ct) * _d_scale(D.to(ct), x)
     return y.to(x.dtype), new.reshape(Bsz, H, P, N)

@@ -25,9 +25,15 @@ def _spec(model_type: str, cls: str, *, hybrid: bool, options: dict | None = Non
 MAMBA2_FAMILY = tuple(
     register(s)
     for s in (
-        _spec("nemotron_h", "NemotronHMamba2Mixer", hybrid=True, description="dt limit hard-coded to (time_step_min, inf)"),
-        _spec("mamba2", "Mamba2Mixer", hybrid=False),
-        _spec("bamba", "BambaMixer", hybrid=True),
+        _spec(
+            "nemotron_h",
+            "NemotronHMamba2Mixer",
+            hybrid=True,
+            options={"gated_norm": "NemotronHRMSNormGated"},
+            description="dt limit hard-coded to (time_step_min, inf)",
+        ),
+        _spec("mamba2", "Mamba2Mixer", hybrid=False, options={"gated_norm": "MambaRMSNormGated"}),
+        _spec("bamba", "BambaMixer", hybrid=True, options={"gated_norm": "BambaRMSNormGated"}),
         _spec(
             "falcon_h1",
             "FalconH1Mixer",
@@ -39,9 +45,16 @@ MAMBA2_FAMILY = tuple(
             "granitemoehybrid",
             "GraniteMoeHybridMambaLayer",
             hybrid=True,
+            options={"gated_norm": "GraniteMoeHybridRMSNormGated"},
             packed_attention_mask=("full_attention",),
             description="its mask construction ignores position_ids: safepad builds the packed attention mask",
         ),
-        _spec("zamba2", "Zamba2MambaMixer", hybrid=True, description="dt limit hard-coded to (time_step_min, inf)"),
+        _spec(
+            "zamba2",
+            "Zamba2MambaMixer",
+            hybrid=True,
+            options={"gated_norm": "Zamba2RMSNormGated"},
+            description="dt limit hard-coded to (time_step_min, inf)",
+        ),
     )
 )

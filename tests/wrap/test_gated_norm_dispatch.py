@@ -8,19 +8,27 @@ import safepad
 from safepad.mixers.common import gated_norm
 from safepad.testing.tiny import tiny_model
 
+NORM = "NemotronHRMSNormGated"  # what the nemotron_h spec declares as its fusable norm
 
-def test_stock_norm_is_fused_and_equal_to_the_module():
+
+def test_stock_norm_is_fused_and_equal_to_the_module(monkeypatch):
     model = tiny_model("nemotron_h", seed=0)
     norm = next(m for m in model.modules() if type(m).__name__ == "NemotronHRMSNormGated")
     y, gate = torch.randn(2, 5, norm.weight.numel()), torch.randn(2, 5, norm.weight.numel())
     calls = []
     norm.register_forward_hook(lambda *a: calls.append(1))
-    via_module = gated_norm(norm, y, gate)  # a hook: the module runs, and the hook sees it
+    via_module = gated_norm(norm, y, gate, NORM)  # a hook: the module runs, and the hook sees it
     assert calls == [1]
     norm._forward_hooks.clear()
-    fused = gated_norm(norm, y, gate)  # no hook: the fused op, same result
+    fused = gated_norm(norm, y, gate, NORM)  # no hook: the fused op, same result
     assert calls == [1]
     torch.testing.assert_close(fused, via_module, rtol=1e-6, atol=1e-6)
+
+    def fused_op_called(*args):
+        raise AssertionError("the fused op ran although the spec declares no fusable norm")
+
+    monkeypatch.setattr("safepad.mixers.common.gated_rms_norm", fused_op_called)
+    torch.testing.assert_close(gated_norm(norm, y, gate, None), via_module)  # no declared norm: the module
 
 
 def test_hook_on_the_norm_fires_inside_a_wrapped_model():
@@ -42,9 +50,9 @@ def test_subclassed_norm_is_called_as_module():
             return 2 * super().forward(hidden_states, gate)
 
     y, gate = torch.randn(1, 4, norm.weight.numel()), torch.randn(1, 4, norm.weight.numel())
-    ref = gated_norm(norm, y, gate)
+    ref = gated_norm(norm, y, gate, NORM)
     norm.__class__ = Doubled
-    torch.testing.assert_close(gated_norm(norm, y, gate), 2 * ref)
+    torch.testing.assert_close(gated_norm(norm, y, gate, NORM), 2 * ref)
 
 
 def test_a_stock_named_norm_with_other_math_is_called_as_module(caplog):
@@ -64,7 +72,7 @@ def test_a_stock_named_norm_with_other_math_is_called_as_module(caplog):
     norm = Changed(8)
     y, gate = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
     with caplog.at_level("WARNING", logger="safepad.mixers.common"):
-        out = gated_norm(norm, y, gate)
+        out = gated_norm(norm, y, gate, NORM)
     torch.testing.assert_close(out, norm(y, gate))
     assert "calls it as a module" in caplog.text
 
@@ -82,5 +90,25 @@ def test_instance_forward_override_is_called_as_module():
 
     norm.forward = hooked
     y, gate = torch.randn(1, 4, norm.weight.numel()), torch.randn(1, 4, norm.weight.numel())
-    gated_norm(norm, y, gate)
+    gated_norm(norm, y, gate, NORM)
     assert calls == [1]
+
+
+def test_wrapped_families_use_the_norm_their_spec_declares(monkeypatch):
+    """The spec option reaches the mixer: nemotron_h fuses its stock norm, falcon_h1 (none declared) does not."""
+    import safepad.mixers.common as common
+
+    used = []
+    real = common.gated_rms_norm
+
+    def spy(*args):
+        used.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(common, "gated_rms_norm", spy)
+    ids = torch.randint(3, 100, (1, 9))
+    safepad.wrap(tiny_model("nemotron_h", seed=0))(input_ids=ids)
+    assert used, "nemotron_h's stock norm should run fused"
+    used.clear()
+    safepad.wrap(tiny_model("falcon_h1", seed=0))(input_ids=ids)
+    assert not used, "falcon_h1 declares no fusable norm"
