@@ -637,7 +637,7 @@ def ssd_scan(
         and kernels.use_kernels(x, dt, A, B, C, need=("mamba_chunk_scan_combined",), backend=backend)
     ):
         return _ssd_kernel(xk, dtp, A, Bk, C, chunk_size, D, seq_idx, initial_state, return_final_state, return_varlen_states)
-    if return_varlen_states and x.is_cuda and backend == "auto" and kernels.mamba_chunk_scan_combined is not None:
+    if return_varlen_states and kernels.on_kernel_device(x) and backend == "auto" and kernels.mamba_chunk_scan_combined is not None:
         logger.debug("ssd_scan: varlen states need batch 1 and no grad on the kernel; using the torch core")
 
     y, final, varlen = _ssd_chunked(
@@ -758,7 +758,7 @@ def ssd_step(
         D_k = None
         if D is not None:
             D_k = D[:, None].expand(H, P) if D.dim() == 1 else D  # [H, P]
-        y = kernels.selective_state_update(new_state, x, dt_k, A_k, B, C, D=D_k, dt_softplus=False)
+        y = kernels.state_update(new_state, x, dt_k, A_k, B, C, D=D_k)
         return y.to(x.dtype), new_state
     k = H // G
     s = state.to(ct).view(Bsz, G, k, P, N)  # [B, G, k, P, N]
