@@ -687,7 +687,8 @@ def _ssd_kernel(
         chunk_size,
         D=D,
         initial_states=None if initial_state is None else initial_state.float(),
-        seq_idx=None if seq_idx is None else seq_idx.contiguous(),
+        # the kernel gives the initial state to sequence id 0 only: number each row's sequences from 0
+        seq_idx=None if seq_idx is None else (seq_idx - seq_idx[:, :1]).to(torch.int32).contiguous(),
         cu_seqlens=cu,
         dt_softplus=False,
         return_final_states=return_final_state,

@@ -21,6 +21,7 @@ prove the wrappers and safepad's dispatch around them, not the CUDA code itself:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
@@ -99,6 +100,34 @@ def _check_conv_fwd(x, weight, bias, seq_idx, initial_states, final_states_out):
                    f"{name} must be (batch, dim, width - 1) in x's dtype with stride(1) == 1")
 
 
+def _vjp(fn, inputs: list, grads_out: list) -> list:
+    """Gradients of ``fn(*inputs)`` (a list of outputs) w.r.t. the tensor inputs (``None`` stays ``None``).
+
+    The packages call the C++ backward from inside a ``torch.library.custom_op`` (causal-conv1d), which
+    runs below the autograd dispatch key, where no graph is recorded even under ``enable_grad``; the
+    reference's autograd therefore runs in a helper thread, whose dispatch state is fresh.
+    """
+
+    def run():
+        leaves = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+        with torch.enable_grad():
+            outs = fn(*leaves)
+            wanted = [t for t in leaves if t is not None]
+            grads = torch.autograd.grad(outs, wanted, grads_out, allow_unused=True)
+        it = iter(grads)
+        res = []
+        for t in leaves:
+            if t is None:
+                res.append(None)
+            else:
+                gr = next(it)
+                res.append(torch.zeros_like(t) if gr is None else gr.to(t.dtype))
+        return res
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()
+
+
 def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu_activation):
     """Stands in for C++ ``causal_conv1d_cuda.causal_conv1d_fwd``: writes ``out`` (and ``final_states_out``)."""
     _check_conv_fwd(x, weight, bias, seq_idx, initial_states, final_states_out)
@@ -113,24 +142,18 @@ def causal_conv1d_bwd(
 ):
     """Stands in for C++ ``causal_conv1d_cuda.causal_conv1d_bwd``: autograd through the reference, into the outs."""
     _check_conv_fwd(x, weight, bias, seq_idx, initial_states, None)
-    leaves = [t.detach().float().requires_grad_() if t is not None else None for t in (x, weight, bias, initial_states)]
-    with torch.enable_grad():
-        y, final = _conv_ref_fp32(leaves[0], leaves[1], leaves[2], seq_idx, leaves[3], dfinal_states is not None,
-                                  silu_activation)
-        outs, grads_in = [y], [dout.float()]
-        if final is not None:
-            outs.append(final)
-            grads_in.append(dfinal_states.float())
-        wanted = [t for t in leaves if t is not None]
-        grads = torch.autograd.grad(outs, wanted, grads_in, allow_unused=True)
-    g = dict(zip([id(t) for t in wanted], grads))
-    get = lambda t: torch.zeros_like(t) if g.get(id(t)) is None else g[id(t)]  # noqa: E731
-    dx.copy_(get(leaves[0]))
-    dweight.add_(get(leaves[1]))
+    def fwd(x_, w_, b_, init_):
+        y, final = _conv_ref_fp32(x_, w_, b_, seq_idx, init_, dfinal_states is not None, silu_activation)
+        return [y] if final is None else [y, final]
+
+    grads_in = [dout.float()] + ([] if dfinal_states is None else [dfinal_states.float()])
+    gx, gw, gb, ginit = _vjp(fwd, [x, weight, bias, initial_states], grads_in)
+    dx.copy_(gx)
+    dweight.add_(gw)
     if dbias is not None:
-        dbias.add_(get(leaves[2]))
+        dbias.add_(gb)
     if dinitial_states is not None:
-        dinitial_states.copy_(get(leaves[3]))
+        dinitial_states.copy_(ginit)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias, out, silu_activation, cache_seqlens, conv_state_indices):
@@ -209,17 +232,11 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
 def selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, x, out, dz, delta_softplus, recompute_out_z):
     """Stands in for C++ ``selective_scan_cuda.bwd``: ``[du, ddelta, dA, dB, dC, dD, ddelta_bias]`` (+ ``dz``)."""
     _check_scan(u, delta, A, B, C, D, z, delta_bias)
-    leaves = [t.detach().requires_grad_() if t is not None else None for t in (u, delta, A, B, C, D, z, delta_bias)]
-    lu, ld, lA, lB, lC, lD, lz, lbias = leaves
-    with torch.enable_grad():
-        y, _ = _scan_ref(lu, ld, lA, lB, lC, lD, lbias, delta_softplus)
-        if lz is not None:
-            y = y.float() * F.silu(lz.float())
-        wanted = [t for t in leaves if t is not None]
-        grads = torch.autograd.grad(y, wanted, dout, allow_unused=True)
-    g = dict(zip([id(t) for t in wanted], grads))
-    res = [None if t is None else (torch.zeros_like(t) if g.get(id(t)) is None else g[id(t)]) for t in leaves]
-    du, ddelta, dA, dB, dC, dD, dzz, dbias = res
+    def fwd(u_, d_, A_, B_, C_, D_, z_, bias_):
+        y, _ = _scan_ref(u_, d_, A_, B_, C_, D_, bias_, delta_softplus)
+        return [y if z_ is None else y.float() * F.silu(z_.float())]
+
+    du, ddelta, dA, dB, dC, dD, dzz, dbias = _vjp(fwd, [u, delta, A, B, C, D, z, delta_bias], [dout])
     outs = [du, ddelta, dA, dB, dC, dD, dbias]
     if z is not None:
         outs.append(dzz)
