@@ -12,7 +12,7 @@ BIN        := $(VENV)/bin
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-kernels demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,26 @@ setup: $(VENV)/.installed
 test: setup
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
 
+# The kernel-route tier: the CUDA dispatch of safepad.ops run on CPU (Triton interpreter + C++ stand-ins), in its
+# own venv and process (TRITON_INTERPRET must be set before triton is imported). KERNEL_TIER=full runs the whole
+# audit matrix with kernels (slow). mamba-ssm / causal-conv1d are built from source without their CUDA parts.
+KVENV       ?= .venv-kernels
+KERNEL_TIER ?= 1
+KPIP        := $(KVENV)/bin/pip -q
+KCONS       := -c constraints/tested.txt -c constraints/kernels.txt
+
+$(KVENV)/.installed: pyproject.toml constraints/tested.txt constraints/kernels.txt
+	$(PYTHON) -m venv $(KVENV)
+	@if [ -n "$(TORCH_SPEC)" ]; then $(KPIP) install $(TORCH_SPEC); fi
+	$(KPIP) install $(KCONS) triton einops ninja packaging setuptools wheel
+	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation mamba-ssm
+	CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation causal-conv1d
+	$(KPIP) install $(KCONS) flash-linear-attention -e ".[dev]"
+	@touch $@
+
+test-kernels: $(KVENV)/.installed
+	SAFEPAD_KERNEL_TIER=$(KERNEL_TIER) TRITON_INTERPRET=1 $(KVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(PYTEST_ARGS) tests/kernels
+
 demo: setup
 	$(BIN)/safepad audit
 	$(BIN)/python examples/train_packed.py --max-steps 30
@@ -39,4 +59,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_train.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(KVENV) .pytest_cache .hypothesis *.egg-info
