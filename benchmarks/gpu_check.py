@@ -56,7 +56,7 @@ def S(n: int, small: int) -> int:
     """``n`` on a GPU, ``small`` under ``--emulate``."""
     return small if SMALL else n
 
-TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @dataclass
@@ -158,7 +158,8 @@ def check_conv(device: str) -> list[Row]:
 def check_scan(device: str) -> list[Row]:
     rows = []
     Bsz, T, chunk = 2, S(4096, 24), S(256, 8)
-    for dtype in (torch.float32, torch.bfloat16):
+    # the Triton interpreter's tl.dot is wrong for bfloat16 (numpy has no bf16): --emulate checks float16
+    for dtype in (torch.float32, torch.float16 if SMALL else torch.bfloat16):
         t = ssd_inputs(Bsz, T, device, dtype)
         seq = varlen_seq_idx(Bsz, T, 3, device)
         mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
@@ -174,8 +175,7 @@ def check_scan(device: str) -> list[Row]:
         rows.append(Row("scan varlen+init+mask", str(dtype).removeprefix("torch."), err, TOL[dtype], tk, tt))
     t = ssd_inputs(1, T, device, torch.float32, seed=4)
     seq = varlen_seq_idx(1, T, 5, device, max_seqs=12)
-    kw = {"chunk_size": chunk, "D": t["D"], "dt_bias": t["dt_bias"], "seq_idx": seq, "initial_state": t["initial_state"],
-              "return_varlen_states": True}
+    kw = {"chunk_size": chunk, "D": t["D"], "dt_bias": t["dt_bias"], "seq_idx": seq, "return_varlen_states": True}
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
     with torch.no_grad():
         (yk, vk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
@@ -260,6 +260,9 @@ def check_mamba1(device: str) -> list[Row]:
 def check_fla(device: str) -> list[Row]:
     """FLA chunk_gated_delta_rule on a packed, padded bf16 batch with initial states (skipped without FLA)."""
     if kernels.fla_chunk_gated_delta_rule is None:
+        return []
+    if SMALL:  # fla 0.6.0's chunk_delta_h stops with a Triton interpreter error: GPU only
+        print("fla chunk_gated_delta_rule: not runnable under the Triton interpreter (checked on a GPU only)")
         return []
     g = torch.Generator(device=device).manual_seed(9)
     Bsz, T, H, Dk = 2, S(2048, 16), 8, S(128, 16)

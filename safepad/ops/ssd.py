@@ -625,11 +625,14 @@ def ssd_scan(
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, dt, A, B, C, D, dt_bias, initial_state)
     )
-    varlen_ok = not return_varlen_states or (Bsz == 1 and not need_grad)
+    # the kernel's varlen states need batch 1, no grad, and no initial state (mamba-ssm 2.3.2.post1 leaves the
+    # initial state out of the first sequence's varlen state)
+    varlen_ok = not return_varlen_states or (Bsz == 1 and not need_grad and initial_state is None)
     if backend == "kernels" and not (varlen_ok and ct == torch.float32):
         raise ValueError(
             "backend='kernels': mamba_chunk_scan_combined returns varlen states only for batch 1 without "
-            "gradients, and has no float64 path; use backend='auto' to run this call on the torch core"
+            "gradients or an initial state, and has no float64 path; use backend='auto' to run this call on the "
+            "torch core"
         )
     if (
         varlen_ok
