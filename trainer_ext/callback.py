@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from safepad.errors import PaddingWarning
+from safepad.errors import PaddingError, PaddingWarning
 from safepad.guard import GUARD_MODES, GuardHandle, get_guard, guard
 
 logger = logging.getLogger(__name__)
@@ -98,11 +98,13 @@ class PaddingGuardCallback(TrainerCallback):
                 warnings.warn(PaddingWarning(msg, KIND_TOKENIZER), stacklevel=2)
 
     def _check_boundary_columns(self, args, model, dataloader) -> None:
-        """Warn when Trainer's column filter removed pack_dataset's boundary columns before collation.
+        """Report when Trainer's column filter removed pack_dataset's boundary columns before collation.
 
         ``remove_unused_columns`` keeps only the columns ``model.forward`` names. Mamba, Mamba2 and FalconMamba
         take no ``position_ids``, so a packed dataset loses both ``seq_lengths`` and ``position_ids`` and the
-        packing collator would read every packed row as one sequence.
+        packing collator would read every packed row as one sequence. ``mode="warn"`` warns; ``"error"`` raises
+        :class:`~safepad.errors.PaddingError`, and so does ``"fix"``: wrapping the model cannot bring back
+        columns the Trainer has already removed.
         """
         if dataloader is None or not getattr(args, "remove_unused_columns", False):
             return
@@ -125,6 +127,11 @@ class PaddingGuardCallback(TrainerCallback):
             "leaks between the examples packed into it. Fix: TrainingArguments(remove_unused_columns=False). "
             "(Datasets with one example per row are unaffected.)"
         )
+        if self.handle.mode in ("error", "fix"):  # the user's guard, when reused, decides
+            if self._owns_handle:
+                self.handle.remove()  # nothing will train: leave the model as it was
+            self.handle, self._owns_handle = None, False
+            raise PaddingError(msg, (KIND_DROPPED_BOUNDARIES,))
         logger.warning("%s", msg)
         if KIND_DROPPED_BOUNDARIES not in self.handle.warned:
             self.handle.warned.add(KIND_DROPPED_BOUNDARIES)

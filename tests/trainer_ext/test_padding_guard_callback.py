@@ -295,3 +295,36 @@ def test_warns_when_trainer_drops_pack_dataset_boundaries(tmp_path, remove_unuse
         trainer.train()
     kinds = [getattr(w.message, "kind", None) for w in caught if issubclass(w.category, safepad.PaddingWarning)]
     assert (KIND_DROPPED_BOUNDARIES in kinds) == remove_unused_columns
+
+
+@pytest.mark.parametrize("mode", ["error", "fix"])
+def test_error_mode_raises_when_trainer_drops_pack_dataset_boundaries(tmp_path, mode):
+    """mode="error" must not only warn: without the columns each packed row trains as ONE sequence. "fix" cannot
+    bring dropped columns back, so it raises too; remove_unused_columns=False trains."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+    from trainer_ext import KIND_DROPPED_BOUNDARIES
+
+    packed = safepad.pack_dataset(Dataset.from_list(make_examples(8)), max_length=32)
+
+    def trainer(remove_unused_columns):
+        model = safepad.wrap(tiny_model("mamba2")).train()
+        return Trainer(
+            model=model,
+            args=training_args(tmp_path, max_steps=1, remove_unused_columns=remove_unused_columns),
+            train_dataset=packed,
+            data_collator=safepad.DataCollatorForPackedSSM(),
+            callbacks=[safepad.PaddingGuardCallback(mode=mode)],
+        )
+
+    t = trainer(True)
+    with pytest.raises(PaddingError, match="remove_unused_columns=False") as exc:
+        t.train()
+    assert exc.value.kinds == (KIND_DROPPED_BOUNDARIES,)
+    assert t.state.global_step == 0 and get_guard(t.model) is None  # nothing trained, guard removed
+    t = trainer(False)
+    t.train()
+    assert t.state.global_step == 1
