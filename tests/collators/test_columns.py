@@ -1,0 +1,144 @@
+"""No column is lost silently: pack_dataset packs it or raises naming the column and the first bad row; clear errors
+for bad values (None tokens, uint64 >= 2**63, ragged lists) in pack_dataset and the collator."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from collators import DataCollatorForPackedSSM, pack_dataset
+
+D = datasets.Dataset.from_dict
+
+
+def _both(ds):
+    """The same dataset as a Dataset and as a stream (pack_dataset has one path for each)."""
+    return [pytest.param(ds, id="Dataset"), pytest.param(ds.to_iterable_dataset(), id="IterableDataset")]
+
+
+def _pack(ds, *args, **kw):
+    out = pack_dataset(ds, *args, **kw)
+    return out if isinstance(out, datasets.Dataset) else list(out)  # a stream packs when it is read
+
+
+def _param_both(cases):
+    return [
+        pytest.param(ds if not stream else ds.to_iterable_dataset(), match, id=f"{cid}-{'stream' if stream else 'ds'}")
+        for cid, ds, match in cases
+        for stream in (False, True)
+    ]
+
+
+BAD_COLUMNS = [
+    ("labels-length", D({"input_ids": [[1, 2, 3], [4, 5, 6, 7]], "labels": [[-100, -100, 3], [-100, -100, 6]]}),
+     r"'labels'.* (row|example) 1 .*3|example 1: per-token column 'labels' has shape \(3,\) but input_ids has 4"),
+    ("labels-of-empty-example", D({"input_ids": [[1, 2], [], [3]], "labels": [[1, 2], [7], [3]]}),
+     r"'labels'.*1|example 1.*'labels'"),
+    ("string-column", D({"input_ids": [[1, 2], [3]], "text": ["a", "b"]}),
+     r"cannot keep column 'text'.*remove_columns\(\['text'\]\)"),
+    ("scalar-column", D({"input_ids": [[1, 2], [3]], "score": [0.5, 0.25]}), r"cannot keep column 'score'"),
+    ("already-packed", D({"input_ids": [[1, 2, 3]], "seq_lengths": [[2, 1]]}), "looks packed already"),
+    ("position_ids-restarting", D({"input_ids": [[1, 2, 3]], "position_ids": [[0, 1, 0]]}),
+     r"position_ids'? does not count 0, 1, \.\.\., n-1"),
+    ("none-token", D({"input_ids": [[1, 2], [3, None, 4]]}), r"(row|example) 1.*None token|None token.*row 1"),
+    ("none-label", D({"input_ids": [[1, 2], [3, 5, 4]], "labels": [[1, 2], [3, None, 4]]}),
+     r"'labels'.*(row 1 holds a None token|None token)|example 1: column 'labels'.*None token"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("ds, match", _param_both(BAD_COLUMNS))
+def test_a_column_that_cannot_be_packed_raises(ds, match):
+    with pytest.raises(ValueError, match=match):
+        _pack(ds, 8)
+
+
+def test_ambiguous_numeric_column_raises_and_can_be_named():
+    ds = D({"input_ids": [[1, 2, 3], [4, 5, 6, 7]], "w": [[1.0, 2.0, 3.0], [4.0, 5.0]]})
+    with pytest.raises(ValueError, match=r"column 'w' has the length of input_ids in some rows but not in row 1"):
+        pack_dataset(ds, 8)
+    with pytest.raises(ValueError, match=r"per-token column 'w': row 1 has 2 entries but input_ids has 4"):
+        pack_dataset(ds, 8, per_token_columns=["w"])
+    packed = pack_dataset(ds, 8, per_example_columns=["w"])
+    assert packed["w"] == [[4.0, 5.0, 1.0, 2.0, 3.0]]  # in the row's sequence order (BFD: longest first)
+    assert packed["seq_lengths"] == [[4, 3]]
+
+
+def test_per_token_and_per_example_columns_are_packed_in_order():
+    ds = D({
+        "input_ids": [[1, 2, 3], [4, 5, 6, 7], [8]],
+        "labels": [[-100, 2, 3], [-100, -100, 6, 7], [8]],  # completion-only masks survive
+        "weights": [[0.5, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [1.0]],
+        "emb": [[[1.0, 1.0]], [[2.0, 2.0], [3.0, 3.0]], None],  # array-valued per-example column
+    })  # fmt: skip
+    packed = pack_dataset(ds, 8)
+    assert packed["seq_lengths"] == [[4, 3, 1]]
+    assert packed["labels"] == [[-100, -100, 6, 7, -100, 2, 3, 8]]
+    assert packed["weights"] == [[0.0, 0.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0]]
+    assert packed["emb"] == [[[2.0, 2.0], [3.0, 3.0], [1.0, 1.0]]]
+    stream = list(pack_dataset(ds.to_iterable_dataset(), 8))
+    assert [r["seq_lengths"] for r in stream] == packed["seq_lengths"]
+    for c in ("labels", "weights", "emb"):
+        assert [r[c] for r in stream] == packed[c], c
+    batch = DataCollatorForPackedSSM()(list(packed))
+    assert batch["labels"][0].tolist() == [-100, -100, 6, 7, -100, 2, 3, -100]  # + -100 at each start
+    assert batch["weights"].dtype == torch.float32 and batch["emb"].shape == (3, 2)
+
+
+def test_empty_typed_dataset_gives_an_empty_result():
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "labels": datasets.Sequence(datasets.Value("int64"))})  # fmt: skip
+    ds = datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+    packed, stats = pack_dataset(ds, 8, return_stats=True)
+    assert len(packed) == 0 and set(packed.column_names) == {"input_ids", "labels", "seq_lengths", "position_ids"}
+    assert (stats.rows, stats.tokens, stats.examples) == (0, 0, 0)
+    assert len(pack_dataset(D({"input_ids": [[], []]}), 8)) == 0  # only empty examples (skipped, counted)
+
+
+def test_uint64_ids_beyond_int64_raise():
+    big = 2**63 + 5
+    ds = datasets.Dataset(pa.table({"input_ids": pa.array([[1, 2], [big, 3]], type=pa.list_(pa.uint64()))}))
+    with pytest.raises(ValueError, match=r"'input_ids': row 1 holds a uint64 value >= 2\*\*63"):
+        pack_dataset(ds, 8)
+    with pytest.raises(ValueError, match=r"example 1: column 'input_ids' holds a uint64 value >= 2\*\*63"):
+        list(pack_dataset(ds.to_iterable_dataset(), 8))
+    collator = DataCollatorForPackedSSM()
+    for ids in (np.array([big, 3], dtype=np.uint64), torch.from_numpy(np.array([big, 3], dtype=np.uint64)), [big, 3]):
+        with pytest.raises(ValueError, match=r"feature 0: 'input_ids' holds the unsigned value \d+ >= 2\*\*63"):
+            collator([{"input_ids": ids}])
+    ok = collator([{"input_ids": np.array([2**63 - 1, 3], dtype=np.uint64)}])  # the largest int64 fits
+    assert ok["input_ids"][0, 0].item() == 2**63 - 1
+
+
+def test_ragged_ids_name_the_feature():
+    with pytest.raises(ValueError, match=r"feature 1: 'input_ids' is a ragged nested list"):
+        DataCollatorForPackedSSM()([{"input_ids": [1, 2]}, {"input_ids": [[1, 2], [3]]}])
+    with pytest.raises(ValueError, match=r"feature 0: 'pixel_values' is a ragged nested list"):
+        DataCollatorForPackedSSM()([{"input_ids": [1, 2], "pixel_values": [[0.5, 0.5], [0.5]]}])
+    stream = datasets.IterableDataset.from_generator(lambda: iter([{"input_ids": [1, 2]}, {"input_ids": [[1], [2, 3]]}]))
+    with pytest.raises(ValueError, match=r"example 1: column 'input_ids' is a ragged nested list"):
+        list(pack_dataset(stream, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param({"pad_to_multiple_of": 10**9}, r"pad_to_multiple_of=1000000000 exceeds", id="huge"),
+        pytest.param({"pad_to_multiple_of": 128, "max_tokens": 64}, r"pad_to_multiple_of=128 > max_tokens=64",
+                     id="above-max_tokens"),
+        pytest.param({"pad_to_multiple_of": True}, "positive int", id="bool"),
+    ],
+)  # fmt: skip
+def test_pad_to_multiple_of_is_bounded(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DataCollatorForPackedSSM(**kwargs)
+
+
+def test_python_float_fields_become_float32_arrays_keep_their_dtype():
+    collator = DataCollatorForPackedSSM()
+    out = collator([{"input_ids": [1, 2], "w": [0.5, 0.25], "feat": [[0.5, 1.5]]}])
+    assert out["w"].dtype == torch.float32 and out["feat"].dtype == torch.float32
+    out = collator([{"input_ids": [1, 2], "feat": np.zeros((1, 2), dtype=np.float64)}])
+    assert out["feat"].dtype == torch.float64  # an explicit float64 array is the user's choice (as in transformers)
