@@ -467,7 +467,7 @@ class DataCollatorForPackedSSM:
                     f"per-example field {key!r} cannot be concatenated along dim 0 across features {indices}: {e}"
                 ) from e
         arrs = [np.atleast_1d(_as_array(v, key, i)) for i, v in present]
-        if any(a.dtype == object for a in arrs):
+        if any(a.dtype.kind in "OUS" for a in arrs):  # objects / strings: no tensor, pass the values through
             return list(values)
         try:
             out = np.concatenate(arrs, axis=0)  # [sum_i n_i, ...]

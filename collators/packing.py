@@ -465,7 +465,8 @@ def pack_dataset(
         per_token_columns: columns to pack as per-token even if their name is not a known one; each row
             must then have the length of ``input_ids``.
         per_example_columns: list-of-number columns to carry per example even when some rows happen to
-            have the length of ``input_ids``.
+            have the length of ``input_ids`` (name them in the collator's ``per_example_keys`` too, so that a
+            packed value that happens to have the row's length is not taken for a per-token field).
 
     Columns (none is dropped silently):
 

@@ -142,3 +142,26 @@ def test_python_float_fields_become_float32_arrays_keep_their_dtype():
     assert out["w"].dtype == torch.float32 and out["feat"].dtype == torch.float32
     out = collator([{"input_ids": [1, 2], "feat": np.zeros((1, 2), dtype=np.float64)}])
     assert out["feat"].dtype == torch.float64  # an explicit float64 array is the user's choice (as in transformers)
+
+
+def test_stream_whose_first_example_has_no_media():
+    rows = [
+        {"input_ids": [1, 2, 3], "pixel_values": None, "image_grid_hw": []},
+        {"input_ids": [4, 5], "pixel_values": [[0.5, 0.25]], "image_grid_hw": [[1, 1]]},
+        {"input_ids": [6], "pixel_values": [[1.5, 2.5], [3.5, 4.5]], "image_grid_hw": [[1, 2]]},
+    ]
+    stream = datasets.IterableDataset.from_generator(lambda: iter(rows))
+    packed = list(pack_dataset(stream, 8))
+    assert [r["seq_lengths"] for r in packed] == [[3, 2, 1]]
+    assert packed[0]["pixel_values"] == [[0.5, 0.25], [1.5, 2.5], [3.5, 4.5]]
+    assert packed[0]["image_grid_hw"] == [[1, 1], [1, 2]]
+    batch = DataCollatorForPackedSSM()(packed)
+    assert batch["pixel_values"].dtype == torch.float32 and batch["image_grid_hw"].tolist() == [[1, 1], [1, 2]]
+    bad = rows + [{"input_ids": [7], "pixel_values": "img.png", "image_grid_hw": []}]
+    with pytest.raises(ValueError, match=r"cannot keep column 'pixel_values'.*example 3"):
+        list(pack_dataset(datasets.IterableDataset.from_generator(lambda: iter(bad)), 8))
+
+
+def test_string_lists_pass_through_the_collator():
+    out = DataCollatorForPackedSSM()([{"input_ids": [1, 2], "tags": ["a", "b"]}, {"input_ids": [3], "tags": ["c"]}])
+    assert out["tags"] == [["a", "b"], ["c"]]
