@@ -328,3 +328,47 @@ def test_error_mode_raises_when_trainer_drops_pack_dataset_boundaries(tmp_path, 
     t = trainer(False)
     t.train()
     assert t.state.global_step == 1
+
+
+def test_error_mode_leaves_unpacked_rows_alone(tmp_path):
+    """One example per row, no boundary columns: the column filter loses nothing, so error mode trains (and warns
+    nothing). The check reads the Trainer's dataset before the filter, not the loader's after it."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+
+    trainer = Trainer(
+        model=safepad.wrap(tiny_model("mamba2")).train(),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list(make_examples(8)),
+        data_collator=safepad.DataCollatorForPackedSSM(),
+        callbacks=[safepad.PaddingGuardCallback(mode="error")],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PaddingWarning)
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_error_mode_raises_when_a_stream_loses_its_boundary_columns(tmp_path):
+    """A packed IterableDataset: Trainer strips seq_lengths / position_ids batch by batch (RemoveColumnsCollator)."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+    from trainer_ext import KIND_DROPPED_BOUNDARIES
+
+    stream = safepad.pack_dataset(Dataset.from_list(make_examples(8)).to_iterable_dataset(), max_length=32)
+    trainer = Trainer(
+        model=safepad.wrap(tiny_model("mamba2")).train(),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=stream,
+        data_collator=safepad.DataCollatorForPackedSSM(),
+        callbacks=[safepad.PaddingGuardCallback(mode="error")],
+    )
+    with pytest.raises(PaddingError, match="remove_unused_columns=False") as exc:
+        trainer.train()
+    assert exc.value.kinds == (KIND_DROPPED_BOUNDARIES,) and trainer.state.global_step == 0
