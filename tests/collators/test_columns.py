@@ -165,3 +165,25 @@ def test_stream_whose_first_example_has_no_media():
 def test_string_lists_pass_through_the_collator():
     out = DataCollatorForPackedSSM()([{"input_ids": [1, 2], "tags": ["a", "b"]}, {"input_ids": [3], "tags": ["c"]}])
     assert out["tags"] == [["a", "b"], ["c"]]
+
+
+def _media_follow_their_sequences(rows, emb) -> None:
+    for row in rows:
+        off, expected = 0, []
+        for n in row["seq_lengths"]:
+            expected += emb[row["input_ids"][off] // 100] or []  # token // 100 = example index
+            off += n
+        assert row["emb"] == expected
+
+
+@pytest.mark.parametrize("batch_size", [pytest.param(1, id="batch-1"), pytest.param(7, id="batch-7"),
+                                        pytest.param(1000, id="one-batch")])  # fmt: skip
+def test_per_example_values_follow_their_sequences(batch_size):
+    """Shuffled dataset (an indices mapping), map batches that slice the Arrow arrays, None / [] values."""
+    rng = np.random.default_rng(0)
+    n = 57
+    ids = [list(range(100 * i, 100 * i + int(length))) for i, length in enumerate(rng.integers(0, 9, n))]
+    emb = [None if rng.random() < 0.3 else [[float(i), float(k)] for k in range(rng.integers(0, 3))] for i in range(n)]
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "emb": emb}).shuffle(seed=1)
+    _media_follow_their_sequences(pack_dataset(ds, 10, batch_size=batch_size), emb)
+    _media_follow_their_sequences(list(pack_dataset(ds.to_iterable_dataset(num_shards=2), 10, buffer_size=5)), emb)
