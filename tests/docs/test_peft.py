@@ -17,6 +17,7 @@ REFUSED_FAMILIES = ["nemotron_h", "mamba", "mamba2", "falcon_h1", "falcon_mamba"
 
 
 def _lora(family: str, targets: list[str]):
+    torch.manual_seed(0)  # lora_A's init: independent of the tests that ran before
     model = peft.get_peft_model(tiny_model(family), peft.LoraConfig(r=4, target_modules=targets))
     with torch.no_grad():  # lora_B starts at zero: make the adapters change the output
         g = torch.Generator().manual_seed(0)
@@ -34,7 +35,7 @@ def _lora(family: str, targets: list[str]):
 def test_lora_targets_that_work_stay_packing_correct(family, targets):
     """Reference: the adapters merged into the weights (merge_and_unload), each sequence alone through the stock
     model. (Unmerged, stock Mamba1 mixers read ``dt_proj.weight`` directly and silently skip a dt_proj LoRA.)"""
-    lora = _lora(family, targets)
+    lora = _lora(family, targets).double()  # float64: merged and unmerged adapters round alike
     wrapped = safepad.wrap(copy.deepcopy(lora))
     stock = copy.deepcopy(lora).merge_and_unload().eval()
     g = torch.Generator().manual_seed(1)
@@ -45,8 +46,8 @@ def test_lora_targets_that_work_stay_packing_correct(family, targets):
     with torch.no_grad():
         alone = torch.cat([stock(input_ids=s[None]).logits[0] for s in seqs])
         packed = wrapped(input_ids=ids, seq_idx=seq_idx).logits[0]
-        plain = tiny_model(family)(input_ids=seqs[0][None]).logits[0]
-    assert (packed - alone).abs().max() < 1e-4
+        plain = tiny_model(family).double()(input_ids=seqs[0][None]).logits[0]
+    assert (packed - alone).abs().max() < 1e-5  # float64 weights; some of the path still runs in float32
     assert (alone[: lens[0]] - plain).abs().max() > 1e-3  # the adapters are active
 
 
