@@ -29,8 +29,8 @@ DOCS = ("README.md", "docs/training.md", "collators/README.md")
 _SKIP = re.compile(r"<!--\s*snippet:\s*skip\s*(.*?)\s*-->")
 
 
-def _blocks(rel: str) -> list[tuple[int, str, str | None]]:
-    """``(line, code, skip_reason)`` of every fenced python block of ``rel``."""
+def _blocks(rel: str | Path) -> list[tuple[int, str, str | None]]:
+    """``(line, code, skip_reason)`` of every fenced python block of ``rel`` (relative to the repository root)."""
     lines = (ROOT / rel).read_text(encoding="utf-8").splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -51,6 +51,12 @@ SNIPPETS = [pytest.param(rel, line, code, skip, id=f"{rel}:{line}") for rel in D
 
 def test_every_doc_has_snippets():
     assert {p.values[0] for p in SNIPPETS} == set(DOCS)
+
+
+def test_skip_marker(tmp_path):
+    md = tmp_path / "x.md"
+    md.write_text("<!-- snippet: skip needs a GPU -->\n```python\nimport cuda_thing\n```\n\n```python\nx = 1\n```\n")
+    assert _blocks(md) == [(2, "import cuda_thing", "needs a GPU"), (6, "x = 1", None)]
 
 
 def _tiny_lm():
