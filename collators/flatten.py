@@ -88,8 +88,8 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
         arr = _asarray(value, key, index)
     if _python_ints_beyond_int64(value, arr) or (arr.dtype.kind == "u" and arr.size and arr.max() > _INT64_MAX):
         raise ValueError(
-            f"feature {index}: {key!r} holds the unsigned value {max(int(x) for x in arr.tolist())} >= 2**63, which the "
-            "int64 output cannot hold (it would wrap to a negative id)"
+            f"feature {index}: {key!r} holds the unsigned value {max(int(x) for x in arr.tolist())} >= 2**63, "
+            "which the int64 output cannot hold (it would wrap to a negative id)"
         )
     if arr.ndim != 1:
         raise ValueError(f"feature {index}: {key!r} must be 1-D (one sequence per feature), got shape {arr.shape}")
@@ -216,7 +216,9 @@ class DataCollatorForPackedSSM:
                 f"pad_to_multiple_of={pad_to_multiple_of} exceeds {MAX_PAD_TO_MULTIPLE_OF} tokens: every batch would "
                 "be padded to that many tokens; use the row length you train with (e.g. 64, or max_length)"
             )
-        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+        ):
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         if max_tokens is not None and pad_to_multiple_of is not None and pad_to_multiple_of > max_tokens:
             raise ValueError(

@@ -774,7 +774,8 @@ def _check_stream_tokens(arr: np.ndarray, key: str, index: int, n: int, integer:
         )
     if n and arr.dtype.kind not in ("iu" if integer else "iufb"):
         what = "a None token" if arr.dtype == object and any(v is None for v in arr.tolist()) else f"dtype {arr.dtype}"
-        raise ValueError(f"example {index}: column {key!r} must hold {'integers' if integer else 'numbers'}, got {what}")
+        kind = "integers" if integer else "numbers"
+        raise ValueError(f"example {index}: column {key!r} must hold {kind}, got {what}")
     if arr.dtype.kind == "u" and n and arr.max() > _INT64_MAX:
         raise ValueError(f"example {index}: column {key!r} holds a uint64 value >= 2**63, which int64 cannot hold")
 
@@ -870,7 +871,9 @@ class _StreamPacker:
                 buf = {c: [] for c in (*cols, *ex_cols)}
             ids = _stream_array(ex["input_ids"], "input_ids", i)
             if _python_ints_beyond_int64(ex["input_ids"], ids):
-                raise ValueError(f"example {i}: column 'input_ids' holds a uint64 value >= 2**63, which int64 cannot hold")
+                raise ValueError(
+                    f"example {i}: column 'input_ids' holds a uint64 value >= 2**63, which int64 cannot hold"
+                )
             n = ids.shape[0] if ids.ndim else -1
             if ids.ndim != 1 or (n and ids.dtype.kind not in "iu"):
                 _check_stream_tokens(ids, "input_ids", i, max(n, 0), integer=True)

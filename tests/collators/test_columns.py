@@ -14,17 +14,13 @@ from collators import DataCollatorForPackedSSM, pack_dataset
 D = datasets.Dataset.from_dict
 
 
-def _both(ds):
-    """The same dataset as a Dataset and as a stream (pack_dataset has one path for each)."""
-    return [pytest.param(ds, id="Dataset"), pytest.param(ds.to_iterable_dataset(), id="IterableDataset")]
-
-
 def _pack(ds, *args, **kw):
     out = pack_dataset(ds, *args, **kw)
     return out if isinstance(out, datasets.Dataset) else list(out)  # a stream packs when it is read
 
 
 def _param_both(cases):
+    """Each dataset as a Dataset and as a stream (pack_dataset has one path for each)."""
     return [
         pytest.param(ds if not stream else ds.to_iterable_dataset(), match, id=f"{cid}-{'stream' if stream else 'ds'}")
         for cid, ds, match in cases
@@ -117,7 +113,8 @@ def test_ragged_ids_name_the_feature():
         DataCollatorForPackedSSM()([{"input_ids": [1, 2]}, {"input_ids": [[1, 2], [3]]}])
     with pytest.raises(ValueError, match=r"feature 0: 'pixel_values' is a ragged nested list"):
         DataCollatorForPackedSSM()([{"input_ids": [1, 2], "pixel_values": [[0.5, 0.5], [0.5]]}])
-    stream = datasets.IterableDataset.from_generator(lambda: iter([{"input_ids": [1, 2]}, {"input_ids": [[1], [2, 3]]}]))
+    rows = [{"input_ids": [1, 2]}, {"input_ids": [[1], [2, 3]]}]
+    stream = datasets.IterableDataset.from_generator(lambda: iter(rows))
     with pytest.raises(ValueError, match=r"example 1: column 'input_ids' is a ragged nested list"):
         list(pack_dataset(stream, 8))
 

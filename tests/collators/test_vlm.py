@@ -48,7 +48,9 @@ def _examples() -> dict[str, list]:
 def _alone(stock, data) -> dict[tuple[int, ...], torch.Tensor]:
     out = {}
     for ids, pv, grid in zip(data["input_ids"], data["pixel_values"], data["image_grid_hw"]):
-        kw = {} if not grid else {"pixel_values": torch.tensor(pv, dtype=torch.float32), "image_grid_hw": torch.tensor(grid)}
+        kw = {}
+        if grid:
+            kw = {"pixel_values": torch.tensor(pv, dtype=torch.float32), "image_grid_hw": torch.tensor(grid)}
         out[tuple(ids)] = stock(input_ids=torch.tensor([ids]), **kw).logits[0]
     return out
 

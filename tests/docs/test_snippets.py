@@ -46,7 +46,9 @@ def _blocks(rel: str | Path) -> list[tuple[int, str, str | None]]:
     return out
 
 
-SNIPPETS = [pytest.param(rel, line, code, skip, id=f"{rel}:{line}") for rel in DOCS for line, code, skip in _blocks(rel)]
+SNIPPETS = [
+    pytest.param(rel, line, code, skip, id=f"{rel}:{line}") for rel in DOCS for line, code, skip in _blocks(rel)
+]
 
 
 def test_every_doc_has_snippets():
@@ -115,7 +117,11 @@ def test_snippet_runs(rel, line, code, skip, tmp_path, monkeypatch):
         pytest.skip(f"{rel}:{line}: {skip}")
     # Resolve the lazy names first: that can put another module object into sys.modules["transformers"], and
     # `from transformers import ...` in a snippet reads whatever sys.modules holds, so patch that one.
-    for name, attrs in (("transformers", ("Trainer", "TrainingArguments", "AutoModelForCausalLM")), ("trl", ("SFTTrainer", "SFTConfig"))):
+    lazy = {
+        "transformers": ("Trainer", "TrainingArguments", "AutoModelForCausalLM"),
+        "trl": ("SFTTrainer", "SFTConfig"),
+    }
+    for name, attrs in lazy.items():
         for attr in attrs:
             getattr(importlib.import_module(name), attr)
     transformers, trl = sys.modules["transformers"], sys.modules["trl"]
