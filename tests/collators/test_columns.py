@@ -184,3 +184,13 @@ def test_per_example_values_follow_their_sequences(batch_size):
     ds = datasets.Dataset.from_dict({"input_ids": ids, "emb": emb}).shuffle(seed=1)
     _media_follow_their_sequences(pack_dataset(ds, 10, batch_size=batch_size), emb)
     _media_follow_their_sequences(list(pack_dataset(ds.to_iterable_dataset(num_shards=2), 10, buffer_size=5)), emb)
+
+
+def test_array2d_feature_is_carried():
+    """datasets' Array2D (an Arrow extension type), as a processor's map often writes pixel_values."""
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "pv": datasets.Array2D(shape=(None, 3), dtype="float32")})  # fmt: skip
+    ds = D({"input_ids": [[1, 2], [3]], "pv": [[[1, 2, 3]], [[4, 5, 6], [7, 8, 9]]]}, features=features)
+    packed = pack_dataset(ds, 8)
+    assert packed["pv"] == [[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]]
+    assert DataCollatorForPackedSSM()(list(packed))["pv"].dtype == torch.float32
