@@ -874,11 +874,10 @@ class _StreamPacker:
                 raise ValueError(
                     f"example {i}: column 'input_ids' holds a uint64 value >= 2**63, which int64 cannot hold"
                 )
-            n = ids.shape[0] if ids.ndim else -1
-            if ids.ndim != 1 or (n and ids.dtype.kind not in "iu"):
-                _check_stream_tokens(ids, "input_ids", i, max(n, 0), integer=True)
-                raise ValueError(f"example {i}: input_ids must be a 1-D list of integers, got dtype {ids.dtype}")
-            _check_stream_tokens(ids, "input_ids", i, n, integer=True)
+            if ids.ndim != 1:
+                raise ValueError(f"example {i}: input_ids must be a 1-D list of integers, got shape {ids.shape}")
+            n = ids.shape[0]
+            _check_stream_tokens(ids, "input_ids", i, n, integer=True)  # None tokens, floats, uint64 overflow
             mask = ex.get("attention_mask")
             if mask is not None:
                 m = _stream_array(mask, "attention_mask", i)
