@@ -26,12 +26,14 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
+	$(MAKE) test-kernels
 
 # The kernel-route tier: the CUDA dispatch of safepad.ops run on CPU (Triton interpreter + C++ stand-ins), in its
 # own venv and process (TRITON_INTERPRET must be set before triton is imported). KERNEL_TIER=full runs the whole
 # audit matrix with kernels (slow). mamba-ssm / causal-conv1d are built from source without their CUDA parts.
 KVENV       ?= .venv-kernels
 KERNEL_TIER ?= 1
+KERNEL_PYTEST_ARGS ?=
 KPIP        := $(KVENV)/bin/pip -q
 KCONS       := -c constraints/tested.txt -c constraints/kernels.txt
 
@@ -45,7 +47,7 @@ $(KVENV)/.installed: pyproject.toml constraints/tested.txt constraints/kernels.t
 	@touch $@
 
 test-kernels: $(KVENV)/.installed
-	SAFEPAD_KERNEL_TIER=$(KERNEL_TIER) TRITON_INTERPRET=1 $(KVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(PYTEST_ARGS) tests/kernels
+	SAFEPAD_KERNEL_TIER=$(KERNEL_TIER) TRITON_INTERPRET=1 $(KVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(KERNEL_PYTEST_ARGS) tests/kernels
 
 demo: setup
 	$(BIN)/safepad audit
