@@ -142,7 +142,9 @@ def check_conv(device: str) -> list[Row]:
         mask[1, T - T // 4 :] = False
         cases = {
             "conv varlen (seq_idx)": {"seq_idx": varlen_seq_idx(Bsz, T, 2, device)},
-            "conv init+mask+state": {"initial_state": init, "token_mask": mask, "return_final_state": True, "state_len": K},
+            "conv init+mask+state": {
+                "initial_state": init, "token_mask": mask, "return_final_state": True, "state_len": K,
+            },
         }
         for name, kw in cases.items():
             with torch.no_grad():
@@ -180,7 +182,8 @@ def check_scan(device: str) -> list[Row]:
     with torch.no_grad():
         (yk, vk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
         (yt, vt), tt = timed(lambda: ssd_scan(*args, backend="torch", **kw))
-    rows.append(Row("scan varlen states (B=1)", "float32", max(rel_err(yk, yt), rel_err(vk, vt)), TOL[torch.float32], tk, tt))
+    err = max(rel_err(yk, yt), rel_err(vk, vt))
+    rows.append(Row("scan varlen states (B=1)", "float32", err, TOL[torch.float32], tk, tt))
     # backward through the Triton kernels: packed rows + initial state, every input's gradient
     t = ssd_inputs(Bsz, T, device, torch.float32, seed=6)
     leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
@@ -277,7 +280,8 @@ def check_fla(device: str) -> list[Row]:
           "initial_state": torch.randn(Bsz, H, Dk, Dk, generator=g, device=device) * 0.1, "return_final_state": True}
     with torch.no_grad():
         (ok, fk), tk = timed(lambda: chunk_gated_delta_rule(**inp, backend="kernels", **kw))
-        (ot, ft), tt = timed(lambda: chunk_gated_delta_rule(**{n: v.float() for n, v in inp.items()}, backend="torch", **kw))
+        fp32 = {n: v.float() for n, v in inp.items()}
+        (ot, ft), tt = timed(lambda: chunk_gated_delta_rule(**fp32, backend="torch", **kw))
     err = max(rel_err(ok.float()[mask], ot[mask]), rel_err(fk, ft))
     return [Row("fla chunk_gated_delta_rule packed+pad+init", "bfloat16", err, TOL[torch.bfloat16], tk, tt)]
 

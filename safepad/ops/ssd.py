@@ -640,8 +640,8 @@ def ssd_scan(
         and kernels.use_kernels(x, dt, A, B, C, need=("mamba_chunk_scan_combined",), backend=backend)
     ):
         return _ssd_kernel(xk, dtp, A, Bk, C, chunk_size, D, seq_idx, initial_state, return_final_state, return_varlen_states)
-    if return_varlen_states and kernels.on_kernel_device(x) and backend == "auto" and kernels.mamba_chunk_scan_combined is not None:
-        logger.debug("ssd_scan: varlen states need batch 1 and no grad on the kernel; using the torch core")
+    if return_varlen_states and backend == "auto" and kernels.on_kernel_device(x):
+        logger.debug("ssd_scan: kernel varlen states need batch 1, no grad, no initial state; using the torch core")
 
     y, final, varlen = _ssd_chunked(
         xk.to(ct),

@@ -209,7 +209,8 @@ def _check_scan(u, delta, A, B, C, D, z, delta_bias):
     _check(delta.stride(-1) == 1 or delta.shape[-1] == 1, "delta must be contiguous along seqlen")
     _check(A.shape[1] <= 256, "selective_scan only supports state dimension <= 256")
     for name, t in (("D", D), ("delta_bias", delta_bias)):
-        _check(t is None or (t.dtype == torch.float32 and tuple(t.shape) == (u.shape[1],)), f"{name} must be float32 (dim,)")
+        ok = t is None or (t.dtype == torch.float32 and tuple(t.shape) == (u.shape[1],))
+        _check(ok, f"{name} must be float32 (dim,)")
     _check(z is None or (z.dtype == u.dtype and z.shape == u.shape), "z must have u's shape and dtype")
 
 
@@ -288,7 +289,8 @@ def install() -> dict[str, bool]:
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("kernel emulation needs TRITON_INTERPRET=1 before triton is imported")
     os.environ["TRITON_INTERPRET"] = "1"
-    for name, make in (("causal_conv1d_cuda", causal_conv1d_cuda_standin), ("selective_scan_cuda", selective_scan_cuda_standin)):
+    standins = {"causal_conv1d_cuda": causal_conv1d_cuda_standin, "selective_scan_cuda": selective_scan_cuda_standin}
+    for name, make in standins.items():
         if name not in sys.modules:
             try:
                 importlib.import_module(name)  # a real build wins (never on a CPU-only machine)

@@ -29,11 +29,13 @@ if not _TIER:
 else:
     _missing = [m for m in _PACKAGES if find_spec(m) is None]
     if _missing:
-        raise pytest.UsageError(f"SAFEPAD_KERNEL_TIER is set but {', '.join(_missing)} cannot be imported: run make test-kernels")
+        raise pytest.UsageError(
+            f"SAFEPAD_KERNEL_TIER is set but {', '.join(_missing)} cannot be imported: run make test-kernels"
+        )
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise pytest.UsageError("the kernel tier needs TRITON_INTERPRET=1 in the environment (make test-kernels sets it)")
+        raise pytest.UsageError("the kernel tier needs TRITON_INTERPRET=1 in the environment (make test-kernels)")
     if "triton" in sys.modules:
-        raise pytest.UsageError("triton was imported before the kernel tier's conftest: run tests/kernels in its own process")
+        raise pytest.UsageError("triton was imported before the kernel tier's conftest: run tests/kernels alone")
 
     _hidden = {m: sys.modules.get(m) for m in ("mamba_ssm", "causal_conv1d", "fla")}
     for _m in _hidden:

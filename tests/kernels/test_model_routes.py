@@ -14,7 +14,15 @@ import os
 import pytest
 
 import safepad
-from safepad.testing import FAMILIES, GDN_FAMILIES, MAMBA1_FAMILIES, MAMBA2_FAMILIES, SCENARIOS, run_scenario, tiny_model
+from safepad.testing import (
+    FAMILIES,
+    GDN_FAMILIES,
+    MAMBA1_FAMILIES,
+    MAMBA2_FAMILIES,
+    SCENARIOS,
+    run_scenario,
+    tiny_model,
+)
 
 FULL = os.environ.get("SAFEPAD_KERNEL_TIER") == "full"
 
