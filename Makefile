@@ -30,7 +30,8 @@ test: setup
 
 # The kernel-route tier: the CUDA dispatch of safepad.ops run on CPU (Triton interpreter + C++ stand-ins), in its
 # own venv and process (TRITON_INTERPRET must be set before triton is imported). KERNEL_TIER=full runs the whole
-# audit matrix with kernels (slow). mamba-ssm / causal-conv1d are built from source without their CUDA parts.
+# audit matrix with kernels (slow). mamba-ssm / causal-conv1d are built from source without their CUDA parts and
+# without their GPU-only dependencies (tilelang, quack-kernels, cutlass: optional imports, ~1 GB).
 KVENV       ?= .venv-kernels
 KERNEL_TIER ?= 1
 KERNEL_PYTEST_ARGS ?=
@@ -41,8 +42,8 @@ $(KVENV)/.installed: pyproject.toml constraints/tested.txt constraints/kernels.t
 	$(PYTHON) -m venv $(KVENV)
 	@if [ -n "$(TORCH_SPEC)" ]; then $(KPIP) install $(TORCH_SPEC); fi
 	$(KPIP) install $(KCONS) triton einops ninja packaging setuptools wheel
-	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation mamba-ssm
-	CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation causal-conv1d
+	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation --no-deps mamba-ssm
+	CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation --no-deps causal-conv1d
 	$(KPIP) install $(KCONS) flash-linear-attention -e ".[dev]"
 	@touch $@
 

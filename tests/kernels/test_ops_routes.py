@@ -420,11 +420,12 @@ def test_selective_state_step_kernel_matches_torch(D, z, kernel_calls):
 # ----------------------------------------------------------------------------------------------
 
 
-def gdn_inputs(Bsz, T, H=2, Dk=16, Dv=16, seed=14, dtype=torch.bfloat16):
+def gdn_inputs(Bsz, T, H=2, Dk=16, Dv=16, seed=14, dtype=torch.bfloat16, Hk=None):
     g = _gen(seed)
-    k = torch.nn.functional.normalize(torch.randn(Bsz, T, H, Dk, generator=g), dim=-1)
+    Hk = H if Hk is None else Hk
+    k = torch.nn.functional.normalize(torch.randn(Bsz, T, Hk, Dk, generator=g), dim=-1)
     return dict(
-        q=torch.randn(Bsz, T, H, Dk, generator=g).to(dtype),
+        q=torch.randn(Bsz, T, Hk, Dk, generator=g).to(dtype),
         k=k.to(dtype),
         v=torch.randn(Bsz, T, H, Dv, generator=g).to(dtype),
         g=-torch.rand(Bsz, T, H, generator=g) * 0.5, beta=torch.rand(Bsz, T, H, generator=g).to(dtype),
@@ -436,12 +437,19 @@ def _fused_recurrent_as_chunk(q, k, v, g, beta, **kw):
     return kernels._KERNELS["fla_fused_recurrent_gated_delta_rule"](q, k, v, g=g, beta=beta, **kw)
 
 
-def test_fla_chunk_route_layout_matches_torch(monkeypatch, kernel_calls):
-    """safepad's FLA route (flatten to one varlen row, per-sequence initial states, final/varlen states) with a
-    real FLA Triton kernel: fused_recurrent computes the same function as chunk_gated_delta_rule, whose
-    chunk_delta_h kernel the interpreter cannot run (test below)."""
-    monkeypatch.setattr(kernels, "fla_chunk_gated_delta_rule", _fused_recurrent_as_chunk)
-    inp = gdn_inputs(2, 10)
+@pytest.mark.parametrize("Hk", [pytest.param(2, id="Hk=H"), pytest.param(1, id="Hk<H")])
+def test_fla_chunk_route_layout_matches_torch(Hk, monkeypatch, kernel_calls):
+    """safepad's FLA route (flatten to one varlen row, q/k heads repeated, per-sequence initial states,
+    final/varlen states) with a real FLA Triton kernel: fused_recurrent computes the same function as
+    chunk_gated_delta_rule, whose chunk_delta_h kernel the interpreter cannot run (test below)."""
+    calls = []
+
+    def chunk_standin(*args, **kw):
+        calls.append(kw["cu_seqlens"].tolist())
+        return _fused_recurrent_as_chunk(*args, **kw)
+
+    monkeypatch.setattr(kernels, "fla_chunk_gated_delta_rule", chunk_standin)
+    inp = gdn_inputs(2, 10, Hk=Hk)
     seq = packed_seq_idx([[3, 7], [10]])
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[1, 8:] = False
@@ -453,6 +461,7 @@ def test_fla_chunk_route_layout_matches_torch(monkeypatch, kernel_calls):
     o_t, f_t, v_t = chunk_gated_delta_rule(**as_fp32, backend="torch", **kw)
     assert rel(o_k.float()[mask], o_t[mask]) < 3e-2
     assert rel(f_k, f_t) < 3e-2 and rel(v_k, v_t) < 3e-2 and v_k.shape == (3, 2, 16, 16)
+    assert calls == [[0, 3, 10, 20]]  # one FLA call over the flattened [1, B*T] row, one entry per sequence
 
 
 @pytest.mark.xfail(strict=True, reason="fla 0.6.0 chunk_delta_h: Triton interpreter error (a GPU run confirms it)")
