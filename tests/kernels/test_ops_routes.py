@@ -478,3 +478,20 @@ def test_gdn_float32_and_kda_fall_back(kernel_calls):
     kda = dict(inp, g=-torch.rand(1, 6, 2, 16))
     assert torch.equal(chunk_gated_delta_rule(**kda, backend="auto"), chunk_gated_delta_rule(**kda, backend="torch"))
     assert kernel_calls["fla_chunk_gated_delta_rule"] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# causal_conv1d_varlen_states: not a safepad route (the torch core gathers conv states exactly), checked so
+# that a future route can rely on the same convention
+# ----------------------------------------------------------------------------------------------
+
+
+def test_varlen_conv_states_kernel_matches_the_torch_gather():
+    from safepad.layout import cu_seqlens_from_seq_idx
+    from safepad.ops import conv_states_from_inputs
+
+    x = torch.randn(1, 19, 16, generator=_gen(16))
+    seq = packed_seq_idx([[2, 9, 1, 7]])
+    _, want = conv_states_from_inputs(x, 3, seq_idx=seq, return_final_state=False, return_varlen_states=True)
+    got = kernels.causal_conv1d_varlen_states(x[0], cu_seqlens_from_seq_idx(seq).to(torch.int32), 3)
+    assert torch.equal(got, want)
