@@ -6,9 +6,12 @@ FalconMamba), so boundaries cannot travel as arguments. A model-level forward pr
 in a :class:`contextvars.ContextVar` for the duration of the call. Mixers read it from there; a mixer
 called directly may also receive the boundaries as its own kwargs.
 
-Gradient checkpointing re-runs mixer forwards during backward, after the model call returned; each
-mixer therefore remembers the boundaries of its last forward and re-uses them only while autograd is
-running a backward pass (see :func:`resolve_seq_idx`).
+Gradient checkpointing re-runs mixer forwards during backward, after the model call returned and
+possibly after other calls (a second packed forward, an evaluation). The boundaries must travel with the
+call that produced them: ``safepad.wrap`` wraps each layer's checkpoint function so that the recompute runs
+under the :class:`CallContext` captured at that layer's forward (:func:`run_in_context`). Nothing else is
+remembered; a mixer recomputed during backward without a context, after it has seen packed boundaries,
+raises instead of guessing (see :func:`resolve_seq_idx`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "current_context",
     "position_ids_from_seq_idx",
     "resolve_seq_idx",
+    "run_in_context",
 ]
 
 #: kwargs that describe packed boundaries (consumed by safepad, never needed by a recurrent mixer itself).
@@ -187,26 +191,49 @@ def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
     return None
 
 
+def run_in_context(ctx: CallContext | None, function, *args, **kwargs):
+    """Call ``function(*args, **kwargs)`` under the call context ``ctx`` (a checkpoint recompute re-entering the
+    context of the forward that produced it; a no-op when ``ctx`` is already the current one)."""
+    if _CONTEXT.get() is ctx:
+        return function(*args, **kwargs)
+    token = _CONTEXT.set(ctx)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _CONTEXT.reset(token)
+
+
+#: the context a checkpoint recompute runs under when its forward had none (not a model call safepad saw):
+#: it matches no shape, so a mixer reads no boundaries from it, and it tells the mixer it is not a stray recompute
+NO_CALL_CONTEXT = CallContext(seq_idx=None, shape=(-1, -1), source="none")
+
+
 def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:
     """The ``seq_idx`` ``[B, T]`` a mixer must use for this call, or ``None`` (one sequence per row).
 
-    Order: boundaries passed to the mixer itself > the model call's context > (only while autograd is
-    running a backward, i.e. gradient-checkpoint recomputation) the boundaries of this mixer's last forward.
-    Boundary kwargs are popped from ``kwargs``.
+    Order: boundaries passed to the mixer itself > the model call's context (restored by the wrapped
+    checkpoint function during a gradient-checkpoint recompute). Boundary kwargs are popped from ``kwargs``.
+    A mixer that has seen packed boundaries and is re-run by autograd (a recompute) without any context
+    raises ``RuntimeError``: the boundaries of its forward are unknown, and another call's would be wrong.
     """
     direct = {k: kwargs.pop(k, None) for k in BOUNDARY_KWARGS}
     if any(direct[k] is not None for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")):
         seq_idx, _ = boundaries_from_kwargs(
             shape, seq_idx=direct["seq_idx"], cu_seq_lens_q=direct["cu_seq_lens_q"], cu_seq_lens_k=direct["cu_seq_lens_k"]
         )
-        module._safepad_last_seq_idx = seq_idx
-        return seq_idx
-    ctx = _CONTEXT.get()
-    if ctx is not None and ctx.shape == tuple(shape):
-        module._safepad_last_seq_idx = ctx.seq_idx
-        return ctx.seq_idx
-    if ctx is None and _in_backward():
-        last = getattr(module, "_safepad_last_seq_idx", None)
-        if last is not None and tuple(last.shape) == tuple(shape):
-            return last
-    return None
+    else:
+        ctx = _CONTEXT.get()
+        if ctx is None:
+            if module.__dict__.get("_safepad_saw_packed") and _in_backward():
+                raise RuntimeError(
+                    f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is being recomputed during "
+                    "backward (activation checkpointing) without the safepad call context of its forward, and it has "
+                    "seen packed boundaries: the boundaries of the forward being recomputed are unknown. Checkpoint "
+                    "through transformers (model.gradient_checkpointing_enable(), which safepad.wrap hooks), or pass "
+                    "seq_idx to the checkpointed module itself."
+                )
+            return None
+        seq_idx = ctx.seq_idx if ctx.shape == tuple(shape) else None
+    if seq_idx is not None and not module.__dict__.get("_safepad_saw_packed"):
+        module._safepad_saw_packed = True
+    return seq_idx

@@ -17,6 +17,11 @@ restart at 0) and hands them to the mixers through a context variable, because s
 * synthesises ``position_ids`` that restart at each boundary for hybrids, so their attention layers see
   the boundaries too (transformers detects packing from ``position_ids``);
 * builds the block-diagonal attention mask for hybrids whose mask construction ignores ``position_ids``.
+
+Gradient checkpointing: on every training call the hook makes sure each checkpointed layer's
+``_gradient_checkpointing_func`` (set by transformers' ``gradient_checkpointing_enable``, before or after
+``wrap``) is a :class:`_CheckpointWithContext`, which captures the call context at the layer's forward and
+re-enters it when autograd recomputes the layer, so a recompute never sees another call's boundaries.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
 from .context import (
+    NO_CALL_CONTEXT,
     CallContext,
     boundaries_from_kwargs,
     current_context,
     position_ids_from_seq_idx,
     reset_context,
+    run_in_context,
     set_context,
 )
 from .errors import UnsupportedModelError
@@ -148,8 +155,11 @@ def unwrap(model: nn.Module) -> nn.Module:
         orig = getattr(type(module), "_safepad_original_class", None)
         if orig is not None:
             module.__class__ = orig
-        for attr in ("_safepad_backend", "_safepad_last_seq_idx"):
+        for attr in ("_safepad_backend", "_safepad_saw_packed"):
             module.__dict__.pop(attr, None)
+        fn = module.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(fn, _CheckpointWithContext):
+            module._gradient_checkpointing_func = fn.inner
         for handle in module.__dict__.pop("_safepad_hook_handles", []):
             handle.remove()
         module.__dict__.pop("_safepad_tokens", None)
@@ -180,6 +190,8 @@ def _install_model_hooks(model: nn.Module) -> None:
             "params": tuple(params),
             "hybrid": any(s.hybrid for s in specs),
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
+            # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
+            "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
         }
         target._safepad_tokens = []
         pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
@@ -222,6 +234,8 @@ class _ModelPreHook:
                 return args, kwargs
             module._safepad_tokens.append(None)
             return None
+        if module.training:
+            _hook_checkpoint_functions(info["checkpointed"])
         if ids is None or ids.dim() < 2:
             module._safepad_tokens.append(None)
             return None
@@ -281,6 +295,46 @@ class _ModelPreHook:
         if info["packed_attention_mask"] and "attention_mask" in info["params"]:
             if kwargs.get("attention_mask") is None:
                 kwargs["attention_mask"] = _packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])
+
+
+class _CheckpointWithContext:
+    """A layer's checkpoint function whose recompute runs under the call context of the original forward.
+
+    transformers' ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(fn, *args)``
+    during the forward; torch re-runs ``fn`` in backward (reentrant: ``CheckpointFunction.backward``;
+    non-reentrant: on unpacking a saved tensor), when the context variable holds whatever call is current then
+    (another forward's, or none). The context is captured here, at the forward, and re-entered by the recompute.
+    """
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, function, *args, **kwargs):
+        ctx = current_context()
+        return self.inner(_InContext(function, NO_CALL_CONTEXT if ctx is None else ctx), *args, **kwargs)
+
+
+class _InContext:
+    """``function`` bound to the call context it must run under (see :class:`_CheckpointWithContext`)."""
+
+    __slots__ = ("ctx", "function")
+
+    def __init__(self, function, ctx: CallContext):
+        self.function = function
+        self.ctx = ctx
+
+    def __call__(self, *args, **kwargs):
+        return run_in_context(self.ctx, self.function, *args, **kwargs)
+
+
+def _hook_checkpoint_functions(modules: list[nn.Module]) -> None:
+    """Wrap each module's ``_gradient_checkpointing_func`` (if any, and not already wrapped)."""
+    for m in modules:
+        fn = m.__dict__.get("_gradient_checkpointing_func")
+        if fn is not None and type(fn) is not _CheckpointWithContext:
+            m._gradient_checkpointing_func = _CheckpointWithContext(fn)
 
 
 def _post_hook(module: nn.Module, args, output):
