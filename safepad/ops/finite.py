@@ -12,9 +12,12 @@ finite. Masking by multiplication cannot stop it; selection can:
 2. :func:`poison` puts NaN back at exactly those tokens' outputs (and at the states they leave), so a
    sequence with a NaN still reads NaN, and no other sequence changes by a single bit.
 
-Gradients: the selected-away inputs and the poisoned outputs pass no gradient, so a NaN cannot leak into
-the other sequences' gradients either. One per-token reduction and one ``where`` per input, only for packed
-calls (``seq_idx`` given); no host synchronisation.
+Gradients: the selected-away inputs pass no gradient, so with a loss that leaves the NaN sequence out
+(a zero gradient at its outputs) nothing non-finite reaches the other sequences' gradients either.
+
+Cost, only for packed calls (``seq_idx`` given): on CPU one read pass per input decides that everything is
+finite (the usual case) and nothing else runs; on other devices, or under ``torch.compile``, the exact
+path (a per-token reduction and one ``where`` per input, an add on the output) runs with no host sync.
 """
 
 from __future__ import annotations
@@ -26,18 +29,27 @@ __all__ = ["isolate_nonfinite", "poison", "poison_rows"]
 
 
 def _bad_tokens(t: Tensor) -> Tensor:
-    """``[B, T]`` bool: the token has a non-finite entry in ``t`` ``[B, T, ...]``.
-
-    A sum over the token's entries is non-finite iff one of them is (up to overflow of finite values above
-    ~1e36, which overflow in the scan as well); one read pass, no full-size temporary.
-    """
-    s = t.flatten(2).sum(-1) if t.dim() > 2 else t
-    return ~torch.isfinite(s)
+    """``[B, T]`` bool: the token has a non-finite entry in ``t`` ``[B, T, ...]``."""
+    fin = torch.isfinite(t)
+    return ~(fin.flatten(2).all(-1) if t.dim() > 2 else fin)
 
 
 def _keep(t: Tensor, bad: Tensor) -> Tensor:
     """``t`` ``[B, T, ...]`` with the ``bad`` ``[B, T]`` tokens set to zero (selection, not a multiply)."""
     return torch.where(bad.view(*bad.shape, *([1] * (t.dim() - 2))), torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+
+def _all_finite_on_host(tensors: list[Tensor]) -> bool:
+    """On CPU outside ``torch.compile`` (where a host read is free and no graph breaks): are all entries finite?
+
+    A sum is finite only if every summand is (NaN propagates, inf + finite = inf, inf - inf = NaN), so one
+    read pass per tensor answers it; a finite sum that overflows reads as "maybe not", which only takes the
+    exact path. Elsewhere returns False without reading anything: the exact path runs, with no sync.
+    """
+    if tensors[0].device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    total = sum(t.sum(dtype=torch.float64) for t in tensors)
+    return bool(torch.isfinite(total))
 
 
 def isolate_nonfinite(
@@ -54,6 +66,8 @@ def isolate_nonfinite(
     Returns:
         ``(tensors with bad tokens zeroed, initial_state likewise, poison [B, T] bool)``.
     """
+    if _all_finite_on_host(tensors if initial_state is None else [*tensors, initial_state]):
+        return tensors, initial_state, None
     bad = _bad_tokens(tensors[0])
     for t in tensors[1:]:
         bad = bad | _bad_tokens(t)
@@ -75,17 +89,19 @@ def isolate_nonfinite(
     return clean, initial_state, cs > base
 
 
-def poison(y: Tensor, poisoned: Tensor) -> Tensor:
-    """``y`` ``[B, T, ...]`` with NaN at the ``poisoned`` ``[B, T]`` tokens."""
+def _nan_where(poisoned: Tensor, dtype: torch.dtype) -> Tensor:
+    """NaN where ``poisoned``, else exactly 0 (added, so that the backward is the identity: no extra pass)."""
     return torch.where(
-        poisoned.view(*poisoned.shape, *([1] * (y.dim() - 2))), torch.full((), float("nan"), dtype=y.dtype,
-                                                                             device=y.device), y
+        poisoned, torch.full((), float("nan"), dtype=dtype, device=poisoned.device),
+        torch.zeros((), dtype=dtype, device=poisoned.device),
     )
+
+
+def poison(y: Tensor, poisoned: Tensor) -> Tensor:
+    """``y`` ``[B, T, ...]`` with NaN at the ``poisoned`` ``[B, T]`` tokens (``y + 0`` elsewhere: unchanged)."""
+    return y + _nan_where(poisoned, y.dtype).view(*poisoned.shape, *([1] * (y.dim() - 2)))
 
 
 def poison_rows(state: Tensor, poisoned: Tensor) -> Tensor:
     """``state`` ``[S, ...]`` with NaN where ``poisoned`` ``[S]`` (states left by a poisoned token)."""
-    return torch.where(
-        poisoned.view(-1, *([1] * (state.dim() - 1))), torch.full((), float("nan"), dtype=state.dtype,
-                                                                   device=state.device), state
-    )
+    return state + _nan_where(poisoned, state.dtype).view(-1, *([1] * (state.dim() - 1)))

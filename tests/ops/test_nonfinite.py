@@ -144,3 +144,19 @@ def test_ssd_gradients_of_other_sequences_stay_finite():
         ya.sum().backward()
         assert torch.isfinite(x.grad[:, s : s + n]).all()
         torch.testing.assert_close(x.grad[:, s : s + n], xa.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["conv", "ssd", "selective", "delta", "kda"])
+def test_exact_path_changes_nothing_for_finite_inputs(op, monkeypatch):
+    """The sync-free path (GPU, torch.compile) on finite inputs gives bit-identical outputs and states."""
+    import safepad.ops.finite as finite
+
+    T = sum(LENS)
+    tok, par = _inputs(op, T, seed=7)
+    seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(LENS)])[None]
+    fast, fast_final = _run(op, tok, par, seq_idx=seq_idx)
+    monkeypatch.setattr(finite, "_all_finite_on_host", lambda tensors: False)
+    exact, exact_final = _run(op, tok, par, seq_idx=seq_idx)
+    torch.testing.assert_close(exact, fast, rtol=0, atol=0)
+    if fast_final is not None:
+        torch.testing.assert_close(exact_final, fast_final, rtol=0, atol=0)
