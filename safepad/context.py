@@ -101,14 +101,20 @@ def boundaries_from_kwargs(
     * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[S + 1]``: cumulative over the flattened ``[B * T]`` tokens; they
       must agree with each other, end at ``B * T``, put a boundary at every row start, and agree with ``seq_idx``
       when both are given.
-    * ``position_ids`` ``[B, T]`` restarting at 0 inside a row (TRL ``padding_free``): read as packing only when
-      no padding mask is in play and the ids are 2-D. When ``seq_idx`` / ``cu_seq_lens`` are given too, packed
-      ``position_ids`` must put their restarts at the same places.
+    * ``position_ids`` ``[B, T]`` restarting at 0 inside a row (TRL ``padding_free``), 2-D only. With a
+      ``padding_mask`` ``[B, >= T]`` (its last ``T`` columns; 1 = real token) only the real tokens count and a 0
+      at a row's first real token is no restart, so ``generate()``'s ids (pads at 1, real tokens from 0) are not
+      packing while packed sequences followed by pads are. When ``seq_idx`` / ``cu_seq_lens`` are given too,
+      packed ``position_ids`` must put their restarts at the same places (compared between real tokens).
 
     Returns ``(seq_idx or None, source)``; ``None`` when every row holds a single sequence.
     Raises ``ValueError`` naming the argument on any inconsistency.
     """
     B, T = shape
+    real = None  # [B, T - 1]: both tokens of a pair are real (where boundaries are compared)
+    if padding_mask is not None:
+        m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
+        real = m[:, 1:] & m[:, :-1]
     source = "none"
     out: Tensor | None = None
     if seq_idx is not None:
@@ -138,18 +144,27 @@ def boundaries_from_kwargs(
                 )
         from_cu = flat.view(B, T)  # [B, T]
         if out is not None:
-            if not torch.equal(_change_points(out), _change_points(from_cu.to(out.device))):
+            if not torch.equal(_change_points(out, real), _change_points(from_cu.to(out.device), real)):
                 raise ValueError(
                     "cu_seq_lens_q disagrees with seq_idx: they put sequence boundaries at different tokens; pass "
                     "boundaries from one source (the safepad collator emits consistent ones)"
                 )
         else:
             out, source = from_cu, "cu_seq_lens"
-    if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2 and padding_mask is None:
-        if position_ids.shape[0] == B and position_ids.shape[1] == T and position_ids_restart(position_ids):
-            from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+    if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2:
+        from_pos = None
+        if position_ids.shape[0] == B and position_ids.shape[1] == T:
+            if padding_mask is None:
+                if position_ids_restart(position_ids):
+                    from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+            else:
+                m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
+                starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
+                if bool(starts.any()):
+                    from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]; pads take their neighbours' ids
+        if from_pos is not None:
             if out is not None:
-                if not torch.equal(_change_points(out), _change_points(from_pos.to(out.device))):
+                if not torch.equal(_change_points(out, real), _change_points(from_pos.to(out.device), real)):
                     raise ValueError(
                         f"position_ids disagree with {source}: they restart at 0 at different tokens than the "
                         "sequence boundaries; pass position_ids that restart at each boundary, or omit them"
@@ -161,9 +176,11 @@ def boundaries_from_kwargs(
     return out, source
 
 
-def _change_points(seq_idx: Tensor) -> Tensor:
-    """``[B, T - 1]`` bool: a new sequence starts at token t + 1."""
-    return seq_idx[:, 1:] != seq_idx[:, :-1]
+def _change_points(seq_idx: Tensor, real: Tensor | None = None) -> Tensor:
+    """``[B, T - 1]`` bool: a new sequence starts at token t + 1 (only between two real tokens when
+    ``real`` ``[B, T - 1]`` is given: where the pads' ids sit carries no meaning)."""
+    change = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return change if real is None else change & real.to(change.device)
 
 
 def position_ids_from_seq_idx(seq_idx: Tensor) -> Tensor:

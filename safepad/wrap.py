@@ -45,6 +45,7 @@ from .context import (
     set_context,
 )
 from .errors import UnsupportedModelError
+from .layout.masks import is_right_padded
 from .specs.registry import MixerSpec, spec_for_module, supported_model_types
 
 logger = logging.getLogger(__name__)
@@ -258,10 +259,7 @@ class _ModelPreHook:
                     kwargs.pop(k, None)
         if seq_idx is not None:
             if padding:
-                raise ValueError(
-                    f"packed boundaries ({source}) came together with an attention_mask that has zeros: describe "
-                    "padding as its own segment of the packed row (the safepad collator does) or pad without packing"
-                )
+                seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
         decode_mask = None
         if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
@@ -335,6 +333,24 @@ def _hook_checkpoint_functions(modules: list[nn.Module]) -> None:
         fn = m.__dict__.get("_gradient_checkpointing_func")
         if fn is not None and type(fn) is not _CheckpointWithContext:
             m._gradient_checkpointing_func = _CheckpointWithContext(fn)
+
+
+def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source: str) -> torch.Tensor:
+    """Packed rows followed by padding: the pads (``mask`` ``[B, T]`` False) become a segment of their own.
+
+    Trailing pads come after every real token of their row, so in a causal model they can change no real
+    token's output; as their own segment they also start from a fresh state. The attention mask is then
+    dropped (packed calls carry their boundaries in ``seq_idx`` / ``position_ids``). Pads before or between
+    the packed sequences of a row have no such reading: raise.
+    """
+    if not is_right_padded(mask):
+        row = int((mask[:, 1:] & ~mask[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(
+            f"packed boundaries ({source}) came together with an attention_mask whose row {row} has padding before "
+            "or between real tokens; packed rows may only end in padding. Put the pads at the end of each row (the "
+            "safepad collator packs without any), or pad one sequence per row without packing boundaries."
+        )
+    return torch.where(mask, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
 
 
 def _post_hook(module: nn.Module, args, output):
