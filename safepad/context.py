@@ -153,21 +153,27 @@ def boundaries_from_kwargs(
             out, source = from_cu, "cu_seq_lens"
     if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2:
         from_pos = None
+        if position_ids.shape[0] == 1 and B > 1 and position_ids.shape[1] == T:
+            position_ids = position_ids.expand(B, T)  # one row of positions broadcast over the batch
         if position_ids.shape[0] == B and position_ids.shape[1] == T:
+            # with boundaries from seq_idx / cu_seq_lens, position_ids that do not restart at all are read too:
+            # they disagree with the boundaries (attention layers would see one sequence per row)
             if padding_mask is None:
-                if position_ids_restart(position_ids):
+                if out is not None or position_ids_restart(position_ids):
                     from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
             else:
                 m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
                 starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
-                if bool(starts.any()):
+                if out is not None or bool(starts.any()):
                     from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]; pads take their neighbours' ids
         if from_pos is not None:
             if out is not None:
                 if not torch.equal(_change_points(out, real), _change_points(from_pos.to(out.device), real)):
                     raise ValueError(
                         f"position_ids disagree with {source}: they restart at 0 at different tokens than the "
-                        "sequence boundaries; pass position_ids that restart at each boundary, or omit them"
+                        "sequence boundaries (or nowhere), so attention layers would see other boundaries than the "
+                        "recurrent ones; pass position_ids that restart at 0 at each boundary, or omit them "
+                        "(safepad.wrap then derives them from the boundaries)"
                     )
             else:
                 out, source = from_pos, "position_ids"
