@@ -252,6 +252,8 @@ class _ModelPreHook:
             position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
             padding_mask=mask if padding else None,
         )
+        if source == "none":
+            seq_idx, source = _boundaries_of_enclosing_call(module, (B, T), position_ids, mask if padding else None)
         kwargs.pop("seq_idx", None)
         if not info["var_kwargs"]:
             for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
@@ -333,6 +335,66 @@ def _hook_checkpoint_functions(modules: list[nn.Module]) -> None:
         fn = m.__dict__.get("_gradient_checkpointing_func")
         if fn is not None and type(fn) is not _CheckpointWithContext:
             m._gradient_checkpointing_func = _CheckpointWithContext(fn)
+
+
+#: code objects of ``nn.Module.__call__``'s frames: their ``args`` / ``kwargs`` locals are a module call's inputs
+_CALL_CODES = frozenset(
+    f.__code__ for f in (getattr(nn.Module, n, None) for n in ("_call_impl", "_wrapped_call_impl")) if f is not None
+)
+_BOUNDARY_INPUTS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
+_MAX_FRAMES = 16
+
+
+def _boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], position_ids, padding_mask):
+    """Boundaries that the nearest enclosing module call received but did not hand to this wrapped model.
+
+    ``safepad.wrap(model.backbone)`` hooks only the backbone; ``MambaForCausalLM.forward`` takes ``seq_idx``
+    (``**kwargs``) and calls the backbone without it. No hook of the outer model exists to see them, so this
+    looks one module call up the Python stack (the ``kwargs`` of its ``nn.Module.__call__`` frame). Found
+    boundaries are used when they fit this call's ``[B, T]`` (the outer model passes the same tokens down), and
+    raise when they do not: the outer call was packed, and this one cannot know how. Returns
+    ``(seq_idx | None, source)``.
+    """
+    frame = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None, "none"
+        if frame.f_code in _CALL_CODES:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and owner is not module:
+                break
+        frame = frame.f_back
+    else:
+        return None, "none"
+    outer_kwargs = frame.f_locals.get("kwargs") or {}
+    found = {k: outer_kwargs.get(k) for k in _BOUNDARY_INPUTS if isinstance(outer_kwargs.get(k), torch.Tensor)}
+    if not found or set(found) == {"position_ids"} and not _restarts(found["position_ids"]):
+        return None, "none"
+    name = type(owner).__name__
+    try:
+        seq_idx, source = boundaries_from_kwargs(
+            shape,
+            seq_idx=found.get("seq_idx"),
+            cu_seq_lens_q=found.get("cu_seq_lens_q"),
+            cu_seq_lens_k=found.get("cu_seq_lens_k"),
+            position_ids=position_ids if isinstance(position_ids, torch.Tensor) else found.get("position_ids"),
+            padding_mask=padding_mask,
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"{name} was called with packed boundaries ({', '.join(found)}) but called the safepad-wrapped "
+            f"{type(module).__name__} without them, and they do not fit its input of [batch, seqlen] = "
+            f"{list(shape)} ({err}). Call safepad.wrap on the outermost model ({name}), or pass the boundaries to "
+            f"the wrapped {type(module).__name__} yourself."
+        ) from err
+    if seq_idx is not None:
+        logger.debug("safepad: %s dropped %s before the wrapped %s; using them", name, source, type(module).__name__)
+        source = f"{source} of the enclosing {name} call"
+    return seq_idx, source
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    return position_ids.dim() == 2 and position_ids.shape[-1] > 1 and bool((position_ids[:, 1:] == 0).any())
 
 
 def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source: str) -> torch.Tensor:
