@@ -252,6 +252,14 @@ class _ModelPreHook:
             position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
             padding_mask=mask if padding else None,
         )
+        if padding and T > 1 and bool((mask[:, -1] == 0).any()) and _inside_generate():
+            row = int((mask[:, -1] == 0).nonzero()[0])
+            raise ValueError(
+                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
+                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
+                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
+                "(tokenizer.padding_side = 'left') for generate()."
+            )
         if source == "none":
             seq_idx, source = _boundaries_of_enclosing_call(module, (B, T), position_ids, mask if padding else None)
         kwargs.pop("seq_idx", None)
@@ -391,6 +399,21 @@ def _boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], pos
         logger.debug("safepad: %s dropped %s before the wrapped %s; using them", name, source, type(module).__name__)
         source = f"{source} of the enclosing {name} call"
     return seq_idx, source
+
+
+def _inside_generate() -> bool:
+    """Is this model call made by transformers' ``generate()`` (a ``generate`` frame of ``transformers.generation``
+    a few frames up the stack)?"""
+    frame = sys._getframe(2)
+    for _ in range(_MAX_FRAMES * 2):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "generate" and str(frame.f_globals.get("__name__", "")).startswith(
+            "transformers.generation"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _restarts(position_ids: torch.Tensor) -> bool:

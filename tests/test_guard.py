@@ -507,3 +507,12 @@ def test_guard_stays_silent_on_generate_style_left_padding():
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with guard(stock, mode="error"):
         stock(input_ids=torch.randint(3, 200, (2, 5)), attention_mask=mask, position_ids=pos, use_cache=False)
+
+
+def test_guard_reports_right_padded_generate_on_the_stock_model():
+    """generate() on a right-padded batch: the guard (error mode) stops it on the stock model."""
+    stock = tiny_model("nemotron_h")
+    ids = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    with guard(stock, mode="error"), pytest.raises(PaddingError, match="padding token"):
+        stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
