@@ -26,6 +26,7 @@ re-enters it when autograd recomputes the layer, so a recompute never sees anoth
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import sys
@@ -46,7 +47,7 @@ from .context import (
 )
 from .errors import UnsupportedModelError
 from .layout.masks import is_right_padded
-from .specs.registry import MixerSpec, spec_for_module, supported_model_types
+from .specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,36 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     _CLASS_CACHE[key] = cls
     setattr(sys.modules[__name__], name, cls)  # so pickle / torch.save of a wrapped model finds the class
     return cls
+
+
+def _rebuild_patched_class(orig_name: str) -> type | None:
+    """``Safepad<orig_name>`` built again from the registry: the spec naming ``orig_name`` and its transformers class."""
+    spec = next((s for s in all_specs() if orig_name in s.mixer_classes), None)
+    if spec is None:
+        return None
+    orig = None
+    try:
+        module = importlib.import_module(f"transformers.models.{spec.model_type}.modeling_{spec.model_type}")
+        orig = getattr(module, orig_name, None)
+    except ImportError:
+        pass
+    if orig is None:  # a family whose mixer lives in another model's module: look through the loaded ones
+        orig = next(
+            (getattr(m, orig_name) for n, m in list(sys.modules.items())
+             if n.startswith("transformers.models.") and isinstance(getattr(m, orig_name, None), type)),
+            None,
+        )
+    return None if orig is None else _patched_class(orig, spec)
+
+
+def __getattr__(name: str):
+    """Patched classes are generated at wrap time; in a fresh process (``pickle.load`` / ``torch.load`` of a
+    wrapped model) ``safepad.wrap.Safepad<Mixer>`` is rebuilt on first access from the family registry."""
+    if name.startswith("Safepad") and not name.startswith("Safepad_"):
+        cls = _rebuild_patched_class(name[len("Safepad") :])
+        if cls is not None:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def wrapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
