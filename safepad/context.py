@@ -36,6 +36,7 @@ __all__ = [
     "boundaries_from_kwargs",
     "context_decode_mask",
     "current_context",
+    "no_call_context",
     "position_ids_from_seq_idx",
     "resolve_seq_idx",
     "run_in_context",
@@ -226,9 +227,11 @@ def run_in_context(ctx: CallContext | None, function, *args, **kwargs):
         _CONTEXT.reset(token)
 
 
-#: the context a checkpoint recompute runs under when its forward had none (not a model call safepad saw):
-#: it matches no shape, so a mixer reads no boundaries from it, and it tells the mixer it is not a stray recompute
-NO_CALL_CONTEXT = CallContext(seq_idx=None, shape=(-1, -1), source="none")
+def no_call_context() -> CallContext:
+    """The context a checkpoint recompute runs under when its forward had none (not a model call safepad saw):
+    it matches no shape, so a mixer reads no boundaries from it, and it tells the mixer it is no stray recompute.
+    A fresh one per forward, so that its per-call memo is freed with it."""
+    return CallContext(seq_idx=None, shape=(-1, -1), source="none")
 
 
 def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:

@@ -36,10 +36,10 @@ from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
 from .context import (
-    NO_CALL_CONTEXT,
     CallContext,
     boundaries_from_kwargs,
     current_context,
+    no_call_context,
     position_ids_from_seq_idx,
     reset_context,
     run_in_context,
@@ -352,7 +352,7 @@ class _CheckpointWithContext:
 
     def __call__(self, function, *args, **kwargs):
         ctx = current_context()
-        return self.inner(_InContext(function, NO_CALL_CONTEXT if ctx is None else ctx), *args, **kwargs)
+        return self.inner(_InContext(function, no_call_context() if ctx is None else ctx), *args, **kwargs)
 
 
 class _InContext:

@@ -133,3 +133,19 @@ def test_unwrap_restores_checkpoint_function():
     assert layer._gradient_checkpointing_func is not before  # wrapped for this call
     safepad.unwrap(model)
     assert layer._gradient_checkpointing_func is before
+
+
+def test_checkpointed_layer_called_outside_a_model_call():
+    """A layer called directly (no model call, so no boundaries) recomputes as one sequence per row, no raise."""
+    _, ids, s, _, _ = packed_batch([5, 9, 3], seed=1)
+    base, ckpt = _models("mamba2", False)
+    h = torch.randn(1, 17, base.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for model in (base, ckpt):
+        model(input_ids=ids, seq_idx=s, use_cache=False)  # packed call first: installs the hook, mixers saw packing
+        model.zero_grad()
+        x = h.clone().requires_grad_(True)
+        out = model.backbone.layers[0](x)
+        (out[0] if isinstance(out, tuple) else out).pow(2).sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
