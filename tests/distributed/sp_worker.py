@@ -1,0 +1,139 @@
+"""Worker processes of the sequence-parallel tests (spawned over gloo; importable by ``spawn``).
+
+Each rank builds the same tiny model twice: a wrapped reference run on ONE process over the full batch,
+and a wrapped model under :func:`safepad.distributed.sequence_parallel`. It writes, per case, the max
+relative errors of the sharded loss, logits and every parameter gradient against the reference, and the
+same errors of a naive sharding (every rank's shard run alone from a zero state: what accelerate refuses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+#: row layouts of 96 tokens (sequence lengths per row). At 4 ranks the edges are 24 / 48 / 72, at 2 ranks 48.
+#: row 0: 5 | 30 | 3 | 40 | 18  -> a sequence crosses 24 mid-chunk, one spans 48 and 72 (rank 2 inside it)
+#: row 1: 24 | 24 | 22 | 6 | 20 -> boundaries exactly at 24 and 48 (48: a chunk edge), a 6-token sequence spans 72
+PACKED = [[5, 30, 3, 40, 18], [24, 24, 22, 6, 20]]
+SINGLE = [[96]]
+
+
+def _batch(lengths: list[list[int]], vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths[0])
+    ids = torch.randint(3, vocab, (len(lengths), T), generator=g)
+    pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])  # [B, T]
+    seq = torch.cat([torch.cat([torch.full((n,), i) for i, n in enumerate(row)])[None] for row in lengths]).int()
+    labels = ids.clone()
+    labels[pos == 0] = -100  # no target across a packed boundary (the collator's convention)
+    return ids, pos, seq, labels
+
+
+def _kwargs(boundaries: str, ids, pos, seq, labels) -> dict:
+    kw = {"input_ids": ids, "labels": labels}
+    if boundaries == "position_ids":
+        kw["position_ids"] = pos
+    elif boundaries == "seq_idx":
+        kw["seq_idx"] = seq
+    elif boundaries == "cu_seq_lens":
+        lens = torch.tensor([int((seq[b] == s).sum()) for b in range(seq.shape[0]) for s in seq[b].unique()])
+        cu = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).int()
+        kw["cu_seq_lens_q"] = kw["cu_seq_lens_k"] = cu
+    return kw
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _grads(model) -> dict:
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    import safepad
+    from safepad.distributed import sequence_parallel
+    from safepad.testing.tiny import tiny_model
+
+    family = case["family"]
+    overrides = case.get("overrides", {})
+    lengths = PACKED if case["layout"] == "packed" else SINGLE
+    ref = safepad.wrap(tiny_model(family, **overrides))
+    ids, pos, seq, labels = _batch(lengths, ref.config.vocab_size, seed=1)
+    kw = _kwargs(case["boundaries"] if case["layout"] == "packed" else "none", ids, pos, seq, labels)
+    out_ref = ref(**kw)
+    out_ref.loss.backward()
+    g_ref = _grads(ref)
+
+    model = safepad.wrap(tiny_model(family, **overrides))
+    if case.get("checkpointing"):
+        model.gradient_checkpointing_enable()
+        model.train()
+    sp = sequence_parallel(model)
+    res: dict = {}
+    for step in range(case.get("steps", 1)):  # steps > 1: two forwards before one backward
+        out = model(**kw)
+        res.setdefault("losses", []).append(float(out.loss))
+    out.loss.backward()
+    if case.get("steps", 1) > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= 1.0
+    sp.sync_gradients()
+    g_sp = _grads(model)
+    T = ids.shape[1] // world
+    res["loss_rel"] = _rel(out.loss.detach(), out_ref.loss.detach())
+    res["logits_rel"] = _rel(out.logits.detach(), out_ref.logits.detach()[:, rank * T : (rank + 1) * T])
+    res["grad_rel"] = {n: _rel(g_sp[n], g_ref[n]) for n in g_ref if g_ref[n].abs().max() > 0}
+    res["grad_max_rel"] = max(res["grad_rel"].values())
+    res["worst"] = max(res["grad_rel"], key=res["grad_rel"].get)
+    res["gathered_logits_rel"] = _rel(sp.gather(out.logits.detach()), out_ref.logits.detach())
+    sp.remove()
+
+    # negative control: every rank's shard run alone from zero states (accelerate's refused configuration)
+    naive = safepad.wrap(tiny_model(family, **overrides))
+    sl = slice(rank * T, (rank + 1) * T)
+    nkw = {k: (v[:, sl] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == ids.shape[1] else v) for k, v in kw.items()}
+    nkw.pop("cu_seq_lens_q", None), nkw.pop("cu_seq_lens_k", None)
+    if "cu_seq_lens_q" in kw:
+        nkw["seq_idx"] = seq[:, sl]
+    nkw["labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)[:, sl]
+    nlog = naive(**{k: v for k, v in nkw.items() if k != "labels"}).logits
+    res["naive_logits_rel"] = _rel(nlog.detach(), out_ref.logits.detach()[:, sl])
+    return res
+
+
+def worker(rank: int, world: int, init_file: str, cases: list[dict], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for case in cases:
+            try:
+                results[case["id"]] = run_case(case, rank, world)
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                results[case["id"]] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()}
+                if not case.get("expect_error"):
+                    raise
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def spawn(world: int, cases: list[dict], tmp_path) -> list[dict]:
+    """Run ``cases`` on ``world`` gloo processes; returns each rank's results."""
+    import torch.multiprocessing as mp
+
+    init_file = str(tmp_path / "init")
+    mp.spawn(worker, args=(world, init_file, cases, str(tmp_path)), nprocs=world, join=True)
+    out = []
+    for r in range(world):
+        with open(tmp_path / f"rank{r}.json") as f:
+            out.append(json.load(f))
+    return out
