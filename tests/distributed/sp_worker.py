@@ -59,8 +59,12 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     from safepad.distributed import sequence_parallel
     from safepad.testing.tiny import tiny_model
 
+    if case.get("mismatch"):  # every rank fed a different batch: must raise on every rank, not hang
+        return _mismatch(case, rank)
     family = case["family"]
-    overrides = case.get("overrides", {})
+    overrides = dict(case.get("overrides", {}))
+    if case.get("dtype") == "float64":
+        overrides["dtype"] = torch.float64
     lengths = PACKED if case["layout"] == "packed" else SINGLE
     ref = safepad.wrap(tiny_model(family, **overrides))
     ids, pos, seq, labels = _batch(lengths, ref.config.vocab_size, seed=1)
@@ -70,21 +74,33 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     g_ref = _grads(ref)
 
     model = safepad.wrap(tiny_model(family, **overrides))
+    recomputed = []
     if case.get("checkpointing"):
+        import safepad.mixers.common as common
+        from safepad.distributed.context import _in_backward
+
+        orig = common.resolve_sp
+
+        def counting(module, shape):  # records mixer forwards re-run by the checkpoint during backward
+            out = orig(module, shape)
+            if _in_backward():
+                recomputed.append(out is not None)
+            return out
+
+        common.resolve_sp = counting
         model.gradient_checkpointing_enable()
         model.train()
     sp = sequence_parallel(model)
     res: dict = {}
     for step in range(case.get("steps", 1)):  # steps > 1: two forwards before one backward
         out = model(**kw)
-        res.setdefault("losses", []).append(float(out.loss))
+        res.setdefault("losses", []).append(float(out.loss.detach()))
     out.loss.backward()
-    if case.get("steps", 1) > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad /= 1.0
     sp.sync_gradients()
     g_sp = _grads(model)
+    if case.get("checkpointing"):
+        common.resolve_sp = orig
+        res["recomputed_with_sp"] = [sum(recomputed), len(recomputed)]
     T = ids.shape[1] // world
     res["loss_rel"] = _rel(out.loss.detach(), out_ref.loss.detach())
     res["logits_rel"] = _rel(out.logits.detach(), out_ref.logits.detach()[:, rank * T : (rank + 1) * T])
@@ -105,6 +121,23 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     nlog = naive(**{k: v for k, v in nkw.items() if k != "labels"}).logits
     res["naive_logits_rel"] = _rel(nlog.detach(), out_ref.logits.detach()[:, sl])
     return res
+
+
+def _mismatch(case: dict, rank: int) -> dict:
+    import safepad
+    from safepad.distributed import sequence_parallel
+    from safepad.testing.tiny import tiny_model
+
+    model = safepad.wrap(tiny_model(case["family"]))
+    sp = sequence_parallel(model)
+    ids, pos, seq, labels = _batch(PACKED, model.config.vocab_size, seed=1 + rank)
+    try:
+        model(input_ids=ids, seq_idx=seq, labels=labels)
+    except ValueError as err:
+        return {"raised": str(err)}
+    finally:
+        sp.remove()
+    return {"raised": None}
 
 
 def worker(rank: int, world: int, init_file: str, cases: list[dict], out_dir: str) -> None:
