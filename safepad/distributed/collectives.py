@@ -47,19 +47,21 @@ def all_gather_stack(x: Tensor, group, rank: int, world: int) -> Tensor:
 
 class _SumReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
+    def forward(ctx, x: Tensor, group, grad_scale: float) -> Tensor:
+        ctx.grad_scale = grad_scale
         out = x.detach().clone().contiguous()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return g, None
+        return (g if ctx.grad_scale == 1.0 else g * ctx.grad_scale), None, None
 
 
-def sum_replicated(x: Tensor, group) -> Tensor:
-    """Sum of ``x`` over the ranks of ``group`` (replicated); backward is the identity (see module doc)."""
-    return _SumReplicated.apply(x, group)
+def sum_replicated(x: Tensor, group, grad_scale: float = 1.0) -> Tensor:
+    """Sum of ``x`` over the ranks of ``group`` (replicated); backward is the identity (see module doc), times
+    ``grad_scale`` (the group size when a DDP / FSDP wrapper averages the gradients over the same ranks)."""
+    return _SumReplicated.apply(x, group, grad_scale)
 
 
 def sum_over_group(x: Tensor, group) -> Tensor:

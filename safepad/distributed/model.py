@@ -8,9 +8,16 @@ shifted over the WHOLE row before sharding, so the token after a shard edge is s
 returned ``loss`` is the loss of the whole batch (the same value on every rank, equal to the unsharded
 call's), and ``logits`` are this rank's shard ``[B, T / W, V]``.
 
-After ``loss.backward()`` each rank holds its part of every parameter gradient;
-:meth:`SequenceParallel.sync_gradients` sums them over the group (one all-reduce per dtype), after which
-every rank holds the gradient of the unsharded call.
+After ``loss.backward()`` each rank holds its part of every parameter gradient. Two ways to combine them:
+
+* ``gradients="sync"`` (default): :meth:`SequenceParallel.sync_gradients` sums them over the group (one
+  all-reduce per dtype), after which every rank holds the gradient of the unsharded call;
+* ``gradients="ddp"``: the model is (or will be) wrapped by DDP / FSDP over exactly the ranks of the group,
+  which AVERAGES gradients; the backward of the loss is scaled by the group size so that the average is
+  the sum. The returned loss value is unchanged. Do not call ``sync_gradients`` then.
+
+Without an explicit ``group`` a new process group over all ranks is created, so that the exchanges never
+interleave with a DDP wrapper's own all-reduces on the default group.
 """
 
 from __future__ import annotations
@@ -52,19 +59,25 @@ def _attention_like(module: nn.Module) -> bool:
     return name.endswith("Attention") and getattr(module, "_safepad_spec", None) is None
 
 
-def sequence_parallel(model: nn.Module, group=None, *, check_batch: bool = True) -> "SequenceParallel":
-    """Shard every call of the wrapped ``model`` over the ranks of ``group`` (default: the whole world).
+def sequence_parallel(
+    model: nn.Module, group=None, *, gradients: str = "sync", check_batch: bool = True
+) -> "SequenceParallel":
+    """Shard every call of the wrapped ``model`` over the ranks of ``group`` (default: all ranks, in a new group).
 
+    ``gradients``: ``"sync"`` (call ``sync_gradients()`` after backward) or ``"ddp"`` (a DDP / FSDP wrapper over
+    the same ranks averages them). ``check_batch``: verify on every call that all ranks got the same batch.
     Returns the :class:`SequenceParallel` handle (``sync_gradients()``, ``shard()``, ``gather()``,
     ``remove()``). Raises :class:`UnsupportedSequenceParallelError` for models it cannot shard exactly.
     """
-    return SequenceParallel(model, group, check_batch=check_batch)
+    return SequenceParallel(model, group, gradients=gradients, check_batch=check_batch)
 
 
 class SequenceParallel:
     """Hooks that shard a wrapped model's calls over a process group (see :func:`sequence_parallel`)."""
 
-    def __init__(self, model: nn.Module, group=None, *, check_batch: bool = True):
+    def __init__(self, model: nn.Module, group=None, *, gradients: str = "sync", check_batch: bool = True):
+        if gradients not in ("sync", "ddp"):
+            raise ValueError(f"gradients must be 'sync' (call sync_gradients()) or 'ddp' (a DDP/FSDP wrapper averages), got {gradients!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise UnsupportedSequenceParallelError(
                 "safepad.distributed.sequence_parallel needs torch.distributed initialised (torchrun / accelerate "
@@ -96,9 +109,10 @@ class SequenceParallel:
                 "config.output_router_logits=False to train under sequence parallelism"
             )
         self.model = model
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = group if group is not None else dist.new_group(backend=dist.get_backend())
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        self.gradients = gradients
         self.check_batch = check_batch
         self._calls: list = []
         _attention.register()
@@ -142,6 +156,8 @@ class SequenceParallel:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Sum every parameter's gradient over the group (missing gradients count as zeros)."""
+        if self.gradients == "ddp":
+            raise ValueError("gradients='ddp': the DDP / FSDP wrapper already combines the gradients; do not sync again")
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in self.model.parameters():
             if p.requires_grad:
@@ -276,7 +292,8 @@ class SequenceParallel:
         )
         n = call["n_items"]
         n = n.to(local.device) if isinstance(n, Tensor) else torch.tensor(float(n), device=local.device)
-        loss = sum_replicated(local, self.group) / n.clamp(min=1).to(local.dtype)
+        scale = float(self.world) if self.gradients == "ddp" else 1.0
+        loss = sum_replicated(local, self.group, scale) / n.clamp(min=1).to(local.dtype)
         fields = {k: v for k, v in output.items()}
         fields["loss"] = loss
         return type(output)(**fields)

@@ -90,13 +90,17 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         common.resolve_sp = counting
         model.gradient_checkpointing_enable()
         model.train()
-    sp = sequence_parallel(model)
+    sp = sequence_parallel(model, gradients="ddp" if case.get("ddp") else "sync")
+    call = model
+    if case.get("ddp"):  # DDP over the same ranks averages the gradients (accelerate's prepare(model))
+        call = torch.nn.parallel.DistributedDataParallel(model)
     res: dict = {}
     for step in range(case.get("steps", 1)):  # steps > 1: two forwards before one backward
-        out = model(**kw)
+        out = call(**kw)
         res.setdefault("losses", []).append(float(out.loss.detach()))
     out.loss.backward()
-    sp.sync_gradients()
+    if not case.get("ddp"):
+        sp.sync_gradients()
     g_sp = _grads(model)
     if case.get("checkpointing"):
         common.resolve_sp = orig

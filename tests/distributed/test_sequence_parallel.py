@@ -47,6 +47,8 @@ def _cases(world: int) -> list[dict]:
              "boundaries": "position_ids", "checkpointing": True},
             {"id": "mamba2-two-forwards", "family": "mamba2", "layout": "packed", "boundaries": "seq_idx", "steps": 2},
         ]
+    cases.append({"id": "nemotron_h-ddp", "family": "nemotron_h", "layout": "packed", "boundaries": "position_ids",
+                  "ddp": True})
     else:
         cases += [
             {"id": "bamba-f64", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "dtype": "float64"},
