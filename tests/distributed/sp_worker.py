@@ -174,3 +174,70 @@ def spawn(world: int, cases: list[dict], tmp_path) -> list[dict]:
         with open(tmp_path / f"rank{r}.json") as f:
             out.append(json.load(f))
     return out
+
+
+def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """The docs' accelerate recipe: Accelerator + prepare (DDP over the SP ranks) + gradients='ddp'.
+
+    Writes the relative errors of the loss, of every gradient (after DDP's average) and of every parameter
+    after one SGD step against the same step on one process over the full batch.
+    """
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+
+    import safepad
+    import safepad.distributed as spd
+    from safepad.testing.tiny import tiny_model
+
+    res: dict = {}
+    try:
+        accelerator = Accelerator(cpu=True)
+        res["distributed_type"] = str(accelerator.distributed_type)
+        ref = safepad.wrap(tiny_model("nemotron_h"))
+        ids, pos, seq, labels = _batch(PACKED, ref.config.vocab_size, seed=1)
+        batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+        loss_ref = ref(**batch).loss
+        loss_ref.backward()
+        opt_ref.step()
+
+        model = safepad.wrap(tiny_model("nemotron_h"))
+        sp = spd.sequence_parallel(model, gradients="ddp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt = accelerator.prepare(model, opt)
+        res["wrapper"] = type(model).__name__
+        loss = model(**{k: v.to(accelerator.device) for k, v in batch.items()}).loss
+        accelerator.backward(loss)
+        inner = accelerator.unwrap_model(model)
+        ref_g = _grads(ref)
+        got = _grads(inner)  # after DDP's average over the SP ranks: must be the unsharded gradient
+        res["grad_max_rel"] = max(_rel(got[n], ref_g[n]) for n in ref_g if ref_g[n].abs().max() > 0)
+        res["grads"] = sum(1 for n in ref_g if ref_g[n].abs().max() > 0)
+        opt.step()
+        opt.zero_grad()
+        res["loss_rel"] = _rel(loss.detach(), loss_ref.detach())
+        ref_p = dict(ref.named_parameters())
+        res["param_max_rel"] = max(_rel(p.detach(), ref_p[n].detach()) for n, p in inner.named_parameters())
+        sp.remove()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        res["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"acc{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def spawn_accelerate(world: int, tmp_path) -> list[dict]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(accelerate_worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
+    out = []
+    for r in range(world):
+        with open(tmp_path / f"acc{r}.json") as f:
+            out.append(json.load(f))
+    return out

@@ -32,7 +32,6 @@ def _cases(world: int) -> list[dict]:
     cases = [
         {"id": "mamba2-seq_idx", "family": "mamba2", "layout": "packed", "boundaries": "seq_idx"},
         {"id": "nemotron_h-position_ids", "family": "nemotron_h", "layout": "packed", "boundaries": "position_ids"},
-        {"id": "nemotron_h-single", "family": "nemotron_h", "layout": "single", "boundaries": "none"},
         {"id": "qwen3_next-f64", "family": "qwen3_next", "layout": "packed", "boundaries": "position_ids",
          "dtype": "float64", "overrides": {"mlp_only_layers": [0, 1]}, "tol": _F32},
         {"id": "qwen3_next-f32-cu_seq_lens", "family": "qwen3_next", "layout": "packed", "boundaries": "cu_seq_lens",
@@ -46,13 +45,14 @@ def _cases(world: int) -> list[dict]:
             {"id": "nemotron_h-checkpointing", "family": "nemotron_h", "layout": "packed",
              "boundaries": "position_ids", "checkpointing": True},
             {"id": "mamba2-two-forwards", "family": "mamba2", "layout": "packed", "boundaries": "seq_idx", "steps": 2},
+            {"id": "nemotron_h-single", "family": "nemotron_h", "layout": "single", "boundaries": "none"},
+            {"id": "nemotron_h-ddp", "family": "nemotron_h", "layout": "packed", "boundaries": "position_ids",
+             "ddp": True},
+            {"id": "bamba-f32", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "tol": _NOISY_F32},
         ]
-    cases.append({"id": "nemotron_h-ddp", "family": "nemotron_h", "layout": "packed", "boundaries": "position_ids",
-                  "ddp": True})
     else:
         cases += [
             {"id": "bamba-f64", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "dtype": "float64"},
-            {"id": "bamba-f32", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "tol": _NOISY_F32},
         ]
     return cases
 
@@ -106,3 +106,14 @@ def test_different_batches_on_the_ranks_raise(runs):
     for rank, res in enumerate(results):
         msg = res["mismatched-batches"]["raised"]
         assert msg is not None and "same full batch" in msg, (rank, msg)
+
+
+def test_accelerate_recipe(tmp_path):
+    """docs/training.md's accelerate recipe: Accelerator(cpu) + prepare (DDP over the SP ranks) + gradients='ddp'."""
+    from .sp_worker import spawn_accelerate
+
+    for rank, r in enumerate(spawn_accelerate(2, tmp_path)):
+        assert "error" not in r, r.get("error")
+        assert r["wrapper"] == "DistributedDataParallel" and "MULTI_CPU" in r["distributed_type"], r
+        assert r["grads"] >= 10
+        assert r["loss_rel"] <= _F32 and r["grad_max_rel"] <= _F32 and r["param_max_rel"] <= _F32, (rank, r)
