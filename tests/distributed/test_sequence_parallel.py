@@ -28,6 +28,11 @@ _GDN_F32 = 5e-5  # the single-process fp32 reference's own error against float64
 _NOISY_F32 = 1e-4  # bamba: its single-process fp32 gradients are 7e-5 off float64 (conv1d.weight of layer 0)
 
 
+_OTHER_FAMILIES = ("falcon_h1", "granitemoehybrid", "zamba2", "jamba", "falcon_mamba", "olmo_hybrid", "kimi_linear",
+                   "qwen3_5_text", "lfm2_moe")
+_GDN = ("olmo_hybrid", "kimi_linear", "qwen3_5_text")
+
+
 def _cases(world: int) -> list[dict]:
     cases = [
         {"id": "mamba2-seq_idx", "family": "mamba2", "layout": "packed", "boundaries": "seq_idx"},
@@ -50,6 +55,10 @@ def _cases(world: int) -> list[dict]:
              "ddp": True},
             {"id": "bamba-f32", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "tol": _NOISY_F32},
         ]
+        for fam in _OTHER_FAMILIES:  # every other supported model type, fp32, P = 2
+            cases.append({"id": f"{fam}-position_ids", "family": fam, "layout": "packed",
+                          "boundaries": "seq_idx" if fam == "falcon_mamba" else "position_ids",
+                          "tol": _GDN_F32 if fam in _GDN else _F32})
     else:
         cases += [
             {"id": "bamba-f64", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "dtype": "float64"},
