@@ -285,6 +285,11 @@ class SequenceParallel:
             )
         if call["labels"] is None or output is None:
             return None
+        if not hasattr(output, "keys") or "logits" not in output.keys():
+            raise ValueError(
+                "sequence parallelism computes the loss from the model output's 'logits': call with return_dict=True "
+                "(the default) on a model that returns logits"
+            )
         logits = output["logits"]  # [B, T, V]
         local = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), call["labels"].reshape(-1).to(logits.device),
@@ -302,7 +307,7 @@ class SequenceParallel:
         """Raise when the ranks of the group were handed different batches (a per-rank sampler)."""
         w = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.float64)
         flat = ids.reshape(-1).to(torch.float64)
-        local = torch.stack([(flat * w).sum(), (flat * flat).sum(), torch.tensor(float(ids.numel()), dtype=torch.float64)])
+        local = torch.stack([(flat * w).sum(), (flat * flat).sum(), torch.tensor(float(ids.numel()), dtype=torch.float64, device=ids.device)])
         with torch.no_grad():
             every = all_gather_stack(local, self.group, self.rank, self.world)  # [W, 3]
         if not bool((every == local).all()):

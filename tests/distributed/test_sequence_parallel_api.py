@@ -90,6 +90,7 @@ def test_attention_that_bypasses_the_interface_raises(group):
         pytest.param("odd_length", id="length-not-divisible"),
         pytest.param("short", id="shard-shorter-than-halo"),
         pytest.param("unknown_column", id="unknown-per-token-kwarg"),
+        pytest.param("tuple_output", id="return_dict-False"),
     ],
 )
 def test_bad_calls_raise(group, bad):
@@ -112,9 +113,12 @@ def test_bad_calls_raise(group, bad):
         elif bad == "short":
             kw = {"input_ids": ids[:, :2]}
             match = "halo of 3"
-        else:
+        elif bad == "unknown_column":
             kw["token_weights"] = torch.ones(ids.shape)
             match = "token_weights"
+        else:
+            kw["return_dict"] = False
+            match = "return_dict=True"
         with pytest.raises(ValueError, match=match):
             model(**kw)
     finally:
