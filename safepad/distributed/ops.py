@@ -22,8 +22,10 @@ through :func:`sp_op` (``safepad.mixers.common.layout_op``) instead of the singl
   - Mamba1 (:func:`sp_selective_scan`): ``a_r = exp(Σ dt ⊗ A)`` per channel and state; the correction is
     the scan of a zero input from ``h_in`` (the scan is linear in ``(u, h0)``), gated afterwards.
 
-Every exchange is a differentiable all-gather, so gradients flow back to the ranks that produced each
-state. The traffic per layer is one state per row and rank, independent of the sequence length.
+Every exchange is a differentiable all-gather (one per op call: the summaries travel together), so
+gradients flow back to the ranks that produced each state. The traffic per layer is one state per row
+and rank, independent of the sequence length. Every rank joins every backward exchange (rank 0, which
+uses no incoming state, feeds zeros back), otherwise the group would deadlock.
 Shapes: ``B`` rows, ``T`` shard tokens, ``W`` ranks.
 """
 
@@ -77,6 +79,22 @@ def _first_sequence(seq_idx: Tensor | None, shape: tuple[int, int], device) -> t
         return None, torch.ones(shape[0], dtype=torch.bool, device=device)
     first = seq_idx == seq_idx[:, :1]  # [B, T]
     return first, first[:, -1]
+
+
+def _gather_summaries(sp: SPContext, F_loc: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """All-gather ``(F_loc [B, ...], a [B, ...])`` of every rank in ONE collective: ``([W, B, ...], [W, B, ...])``.
+
+    One exchange per layer, so its backward all-reduce has a single place in every rank's backward order
+    (two independent gathers could run their backward exchanges in different orders on different ranks).
+    """
+    B = F_loc.shape[0]
+    a = a.to(F_loc.dtype)
+    flat = torch.cat([F_loc.reshape(B, -1), a.reshape(B, -1)], dim=1)  # [B, |F| + |a|]
+    every = all_gather_stack(flat, sp.group, sp.rank, sp.world)  # [W, B, |F| + |a|]
+    nF = F_loc[0].numel()
+    F_all = every[..., :nF].reshape(sp.world, *F_loc.shape)
+    a_all = every[..., nF:].reshape(sp.world, *a.shape)
+    return F_all, a_all
 
 
 def _incoming(sp: SPContext, F_all: Tensor, a_all: Tensor, apply: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -181,8 +199,7 @@ def sp_ssd_scan(
         la = la * first[..., None].to(ct)
     acs = torch.cumsum(la, dim=1)  # [B, T, H] log-decay from the shard start (first sequence)
     a = torch.exp(acs[:, -1]) * passes[:, None].to(ct)  # [B, H] transition of the crossing sequence
-    F_all = all_gather_stack(F_loc, sp.group, sp.rank, sp.world)  # [W, B, H, P, N]
-    a_all = all_gather_stack(a, sp.group, sp.rank, sp.world)  # [W, B, H]
+    F_all, a_all = _gather_summaries(sp, F_loc, a)  # [W, B, H, P, N], [W, B, H]
     if sp.rank == 0:
         return _Attach.apply(y0, F_all, a_all)
     h_in = _incoming(sp, F_all, a_all, lambda ar, h: ar[..., None, None] * h)  # [B, H, P, N]
@@ -234,8 +251,7 @@ def sp_chunk_gated_delta_rule(
     )  # [B, T, H, Dv + Dk], [B, H, Dk, Dv + Dk]
     o0, qM = o_ext[..., :Dv], o_ext[..., Dv:]  # [B, T, H, Dv], [B, T, H, Dk] = M_tᵀ (scale q_t)
     F_loc, M = fin[..., :Dv], fin[..., Dv:]  # [B, H, Dk, Dv], [B, H, Dk, Dk] (0 unless one sequence spans the shard)
-    F_all = all_gather_stack(F_loc.contiguous(), sp.group, sp.rank, sp.world)  # [W, B, H, Dk, Dv]
-    M_all = all_gather_stack(M.contiguous(), sp.group, sp.rank, sp.world)  # [W, B, H, Dk, Dk]
+    F_all, M_all = _gather_summaries(sp, F_loc, M)  # [W, B, H, Dk, Dv], [W, B, H, Dk, Dk]
     if sp.rank == 0:
         return _Attach.apply(o0.contiguous(), F_all, M_all)
     h_in = _incoming(sp, F_all, M_all, torch.matmul)  # [B, H, Dk, Dv]
@@ -279,8 +295,7 @@ def sp_selective_scan(
     if first is not None:
         dtp = dtp * first[..., None].to(ct)
     a = torch.exp(dtp.sum(1)[..., None] * A.to(ct)) * passes[:, None, None].to(ct)  # [B, Dm, N]
-    F_all = all_gather_stack(F_loc, sp.group, sp.rank, sp.world)  # [W, B, Dm, N]
-    a_all = all_gather_stack(a, sp.group, sp.rank, sp.world)  # [W, B, Dm, N]
+    F_all, a_all = _gather_summaries(sp, F_loc, a)  # [W, B, Dm, N] each
     y = y0.to(ct)
     if sp.rank == 0:
         y = _Attach.apply(y, F_all, a_all)
