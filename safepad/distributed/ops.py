@@ -107,8 +107,8 @@ def _incoming(sp: SPContext, F_all: Tensor, a_all: Tensor, apply: Callable[[Tens
     h = torch.zeros_like(F_all[0])
     for r in range(sp.rank):
         nxt = F_all[r] + apply(a_all[r], h)  # state after rank r's shard
-        keep = sp.crosses[r + 1].to(nxt.dtype).view(-1, *([1] * (nxt.dim() - 1)))  # [B, 1, ...]
-        h = nxt * keep
+        keep = sp.crosses[r + 1].to(nxt.device).view(-1, *([1] * (nxt.dim() - 1)))  # [B, 1, ...]
+        h = torch.where(keep, nxt, 0.0)  # where, not a product: a NaN state stays in its own sequence
     return h
 
 
@@ -150,7 +150,7 @@ def sp_causal_conv1d(
     tails = all_gather_stack(x[:, T - w :], sp.group, sp.rank, sp.world)  # [W, B, K-1, D]
     halo = tails[sp.rank - 1] if sp.rank > 0 else torch.zeros_like(tails[0])  # [B, K-1, D]
     valid = sp.halo_valid(w).to(x.device)  # [B, K-1]
-    halo = halo * valid[..., None].to(halo.dtype)
+    halo = torch.where(valid[..., None], halo, 0.0)
     y = causal_conv1d(
         x, weight, bias, activation=activation, seq_idx=seq_idx,
         initial_state=halo.transpose(1, 2),  # [B, D, K-1] previous inputs, oldest first
@@ -196,19 +196,19 @@ def sp_ssd_scan(
     first, passes = _first_sequence(seq_idx, (Bsz, T), x.device)
     la = dtp * A.to(ct)  # [B, T, H] log-decay per token
     if first is not None:
-        la = la * first[..., None].to(ct)
+        la = torch.where(first[..., None], la, 0.0)
     acs = torch.cumsum(la, dim=1)  # [B, T, H] log-decay from the shard start (first sequence)
-    a = torch.exp(acs[:, -1]) * passes[:, None].to(ct)  # [B, H] transition of the crossing sequence
+    a = torch.where(passes[:, None], torch.exp(acs[:, -1]), 0.0)  # [B, H] transition of the crossing sequence
     F_all, a_all = _gather_summaries(sp, F_loc, a)  # [W, B, H, P, N], [W, B, H]
     if sp.rank == 0:
         return _Attach.apply(y0, F_all, a_all)
     h_in = _incoming(sp, F_all, a_all, lambda ar, h: ar[..., None, None] * h)  # [B, H, P, N]
-    w = torch.exp(acs)  # [B, T, H] decay from the shard start to t
-    if first is not None:
-        w = w * first[..., None].to(ct)
     k = H // G
     corr = torch.einsum("btgn,bgkpn->btgkp", C.to(ct), h_in.view(Bsz, G, k, P, N)).reshape(Bsz, T, H, P)
-    return (y0.to(ct) + corr * w[..., None]).to(x.dtype)
+    corr = corr * torch.exp(acs)[..., None]  # [B, T, H, P] decayed from the shard start to t
+    if first is not None:
+        corr = torch.where(first[:, :, None, None], corr, 0.0)  # only the first sequence receives h_in
+    return (y0.to(ct) + corr).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- gated delta rule
@@ -256,6 +256,9 @@ def sp_chunk_gated_delta_rule(
         return _Attach.apply(o0.contiguous(), F_all, M_all)
     h_in = _incoming(sp, F_all, M_all, torch.matmul)  # [B, H, Dk, Dv]
     corr = torch.einsum("bthk,bhkv->bthv", qM.to(ct), h_in)  # [B, T, H, Dv]
+    first, _ = _first_sequence(seq_idx, (Bsz, T), v.device)
+    if first is not None:
+        corr = torch.where(first[:, :, None, None], corr, 0.0)  # qM is 0 there; where keeps a NaN h_in out
     return (o0.to(ct) + corr).to(v.dtype)
 
 
@@ -293,8 +296,8 @@ def sp_selective_scan(
     dtp = process_dt(delta, delta_bias, (float("-inf"), float("inf")), delta_softplus).to(ct)  # [B, T, Dm]
     first, passes = _first_sequence(seq_idx, (Bsz, T), u.device)
     if first is not None:
-        dtp = dtp * first[..., None].to(ct)
-    a = torch.exp(dtp.sum(1)[..., None] * A.to(ct)) * passes[:, None, None].to(ct)  # [B, Dm, N]
+        dtp = torch.where(first[..., None], dtp, 0.0)
+    a = torch.where(passes[:, None, None], torch.exp(dtp.sum(1)[..., None] * A.to(ct)), 0.0)  # [B, Dm, N]
     F_all, a_all = _gather_summaries(sp, F_loc, a)  # [W, B, Dm, N] each
     y = y0.to(ct)
     if sp.rank == 0:
@@ -305,7 +308,10 @@ def sp_selective_scan(
             torch.zeros_like(u), delta, A, B, C, delta_bias=delta_bias, delta_softplus=delta_softplus,
             seq_idx=seq_idx, initial_state=h_in, backend=backend,
         )  # [B, T, Dm]: C_t · (decay ∘ h_in) on the first sequence, 0 elsewhere
-        y = y + corr.to(ct)
+        corr = corr.to(ct)
+        if first is not None:
+            corr = torch.where(first[..., None], corr, 0.0)
+        y = y + corr
     return _gate(y, u.to(ct), D, z).to(u.dtype)
 
 
