@@ -224,6 +224,14 @@ class SequenceParallel:
         if self.check_batch and name == "input_ids":
             self._check_same_batch(ids)
         position_ids = kwargs.get("position_ids")
+        if isinstance(position_ids, Tensor) and tuple(position_ids.shape[-2:]) != (B, Tg):
+            raise ValueError(
+                f"position_ids must cover the full rows [{B}, {Tg}] (every rank passes the whole batch), got "
+                f"{list(position_ids.shape)}"
+            )
+        labels = kwargs.get("labels")
+        if isinstance(labels, Tensor) and tuple(labels.shape) != (B, Tg):
+            raise ValueError(f"labels must have the full rows' shape [{B}, {Tg}] (unshifted), got {list(labels.shape)}")
         seq_g, _ = boundaries_from_kwargs(
             (B, Tg), seq_idx=kwargs.get("seq_idx"), cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
             cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),

@@ -91,6 +91,10 @@ def test_attention_that_bypasses_the_interface_raises(group):
         pytest.param("short", id="shard-shorter-than-halo"),
         pytest.param("unknown_column", id="unknown-per-token-kwarg"),
         pytest.param("tuple_output", id="return_dict-False"),
+        pytest.param("short_labels", id="labels-wrong-length"),
+        pytest.param("shard_positions", id="position_ids-of-a-shard"),
+        pytest.param("bad_seq_idx", id="seq_idx-decreasing"),
+        pytest.param("disagree", id="seq_idx-and-position_ids-disagree"),
     ],
 )
 def test_bad_calls_raise(group, bad):
@@ -116,9 +120,23 @@ def test_bad_calls_raise(group, bad):
         elif bad == "unknown_column":
             kw["token_weights"] = torch.ones(ids.shape)
             match = "token_weights"
-        else:
+        elif bad == "tuple_output":
             kw["return_dict"] = False
             match = "return_dict=True"
+        elif bad == "short_labels":
+            kw["labels"] = labels[:, :-1]
+            match = "labels must have the full rows"
+        elif bad == "shard_positions":
+            kw["position_ids"] = pos[:, :48]
+            match = "position_ids must cover the full rows"
+        elif bad == "bad_seq_idx":
+            kw = {"input_ids": ids, "seq_idx": torch.arange(96, 0, -1).expand(2, 96).int()}
+            match = "seq_idx decreases"
+        else:
+            seq = torch.zeros(2, 96, dtype=torch.int32)
+            seq[:, 50:] = 1  # a boundary at 50, while position_ids restart elsewhere
+            kw["seq_idx"] = seq
+            match = "disagree"
         with pytest.raises(ValueError, match=match):
             model(**kw)
     finally:
