@@ -9,9 +9,9 @@ called directly may also receive the boundaries as its own kwargs.
 Gradient checkpointing re-runs mixer forwards during backward, after the model call returned and
 possibly after other calls (a second packed forward, an evaluation). The boundaries must travel with the
 call that produced them: ``safepad.wrap`` wraps each layer's checkpoint function so that the recompute runs
-under the :class:`CallContext` captured at that layer's forward (:func:`run_in_context`). Nothing else is
-remembered; a mixer recomputed during backward without a context, after it has seen packed boundaries,
-raises instead of guessing (see :func:`resolve_seq_idx`).
+under the :class:`CallContext` captured at that layer's forward (``safepad.wrap._CheckpointWithContext``).
+Nothing else is remembered; a mixer recomputed during backward without a context, after it has seen packed
+boundaries, raises instead of guessing (see :func:`resolve_seq_idx`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ __all__ = [
     "no_call_context",
     "position_ids_from_seq_idx",
     "resolve_seq_idx",
-    "run_in_context",
 ]
 
 #: kwargs that describe packed boundaries (consumed by safepad, never needed by a recurrent mixer itself).
@@ -215,18 +214,6 @@ def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
     return None
 
 
-def run_in_context(ctx: CallContext | None, function, *args, **kwargs):
-    """Call ``function(*args, **kwargs)`` under the call context ``ctx`` (a checkpoint recompute re-entering the
-    context of the forward that produced it; a no-op when ``ctx`` is already the current one)."""
-    if _CONTEXT.get() is ctx:
-        return function(*args, **kwargs)
-    token = _CONTEXT.set(ctx)
-    try:
-        return function(*args, **kwargs)
-    finally:
-        _CONTEXT.reset(token)
-
-
 def no_call_context() -> CallContext:
     """The context a checkpoint recompute runs under when its forward had none (not a model call safepad saw):
     it matches no shape, so a mixer reads no boundaries from it, and it tells the mixer it is no stray recompute.
@@ -245,7 +232,10 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
     direct = {k: kwargs.pop(k, None) for k in BOUNDARY_KWARGS}
     if any(direct[k] is not None for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")):
         seq_idx, _ = boundaries_from_kwargs(
-            shape, seq_idx=direct["seq_idx"], cu_seq_lens_q=direct["cu_seq_lens_q"], cu_seq_lens_k=direct["cu_seq_lens_k"]
+            shape,
+            seq_idx=direct["seq_idx"],
+            cu_seq_lens_q=direct["cu_seq_lens_q"],
+            cu_seq_lens_k=direct["cu_seq_lens_k"],
         )
     else:
         ctx = _CONTEXT.get()

@@ -26,6 +26,7 @@ re-enters it when autograd recomputes the layer, so a recompute never sees anoth
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import inspect
 import logging
@@ -42,7 +43,6 @@ from .context import (
     no_call_context,
     position_ids_from_seq_idx,
     reset_context,
-    run_in_context,
     set_context,
 )
 from .errors import UnsupportedModelError
@@ -99,7 +99,7 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
 
 
 def _rebuild_patched_class(orig_name: str) -> type | None:
-    """``Safepad<orig_name>`` built again from the registry: the spec naming ``orig_name`` and its transformers class."""
+    """``Safepad<orig_name>`` built again from the registry (the spec naming ``orig_name``, its transformers class)."""
     spec = next((s for s in all_specs() if orig_name in s.mixer_classes), None)
     if spec is None:
         return None
@@ -337,12 +337,13 @@ class _ModelPreHook:
 
 
 class _CheckpointWithContext:
-    """A layer's checkpoint function whose recompute runs under the call context of the original forward.
+    """A layer's checkpoint function whose recompute runs under the context of the original forward.
 
     transformers' ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(fn, *args)``
     during the forward; torch re-runs ``fn`` in backward (reentrant: ``CheckpointFunction.backward``;
-    non-reentrant: on unpacking a saved tensor), when the context variable holds whatever call is current then
-    (another forward's, or none). The context is captured here, at the forward, and re-entered by the recompute.
+    non-reentrant: on unpacking a saved tensor), when the context variables hold whatever call is current
+    then (another forward's, or none). The context variables (safepad's call context, and any other, such as
+    the sequence-parallel one) are snapshot here, at the forward, and the recompute runs inside the snapshot.
     """
 
     __slots__ = ("inner",)
@@ -351,21 +352,33 @@ class _CheckpointWithContext:
         self.inner = inner
 
     def __call__(self, function, *args, **kwargs):
-        ctx = current_context()
-        return self.inner(_InContext(function, no_call_context() if ctx is None else ctx), *args, **kwargs)
+        return self.inner(_InContext(function, contextvars.copy_context()), *args, **kwargs)
 
 
 class _InContext:
-    """``function`` bound to the call context it must run under (see :class:`_CheckpointWithContext`)."""
+    """``function`` bound to the context snapshot of its forward (see :class:`_CheckpointWithContext`): the first
+    call is the forward itself (already in that context), every later one a recompute run inside the snapshot."""
 
-    __slots__ = ("ctx", "function")
+    __slots__ = ("calls", "context", "function")
 
-    def __init__(self, function, ctx: CallContext):
+    def __init__(self, function, context: contextvars.Context):
         self.function = function
-        self.ctx = ctx
+        self.context = context
+        self.calls = 0
 
     def __call__(self, *args, **kwargs):
-        return run_in_context(self.ctx, self.function, *args, **kwargs)
+        self.calls += 1
+        if self.calls == 1:
+            return self.function(*args, **kwargs)
+        return self.context.run(_recompute, self.function, args, kwargs)
+
+
+def _recompute(function, args: tuple, kwargs: dict):
+    """Inside a forward's context snapshot: a forward that was no safepad model call recomputes as one (no
+    boundaries, and no 'recompute without context' error)."""
+    if current_context() is None:
+        set_context(no_call_context())  # changes only the snapshot
+    return function(*args, **kwargs)
 
 
 def _hook_checkpoint_functions(modules: list[nn.Module]) -> None:

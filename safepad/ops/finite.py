@@ -72,13 +72,12 @@ def isolate_nonfinite(
     for t in tensors[1:]:
         bad = bad | _bad_tokens(t)
     if initial_state is not None:
-        bad_init = ~torch.isfinite(initial_state.flatten(1).sum(-1))  # [B]
+        bad_init = ~torch.isfinite(initial_state).flatten(1).all(-1)  # [B]
         bad = bad.clone()
         bad[:, 0] |= bad_init
-        initial_state = torch.where(
-            bad_init.view(-1, *([1] * (initial_state.dim() - 1))), torch.zeros((), dtype=initial_state.dtype,
-                                                                               device=initial_state.device), initial_state
-        )
+        zero = torch.zeros((), dtype=initial_state.dtype, device=initial_state.device)
+        keep_shape = (-1, *([1] * (initial_state.dim() - 1)))
+        initial_state = torch.where(bad_init.view(keep_shape), zero, initial_state)
     clean = [_keep(t, bad) for t in tensors]
     # poison[t]: a bad token at or before t inside t's sequence (cumulative count since the sequence start)
     cs = bad.cumsum(1)  # [B, T] bad tokens up to and including t

@@ -39,7 +39,11 @@ for path in sys.argv[1:]:
     print(path, type(model.get_submodule(ref["mixer"])).__name__)
 """
 
-CASES = [("mamba2", "backbone.layers.0.mixer"), ("nemotron_h", "model.layers.0.mixer"), ("qwen3_next", "model.layers.0.linear_attn")]
+CASES = [
+    ("mamba2", "backbone.layers.0.mixer"),
+    ("nemotron_h", "model.layers.0.mixer"),
+    ("qwen3_next", "model.layers.0.linear_attn"),
+]
 
 
 def test_wrapped_models_load_in_a_fresh_process(tmp_path):
