@@ -60,6 +60,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_collator.py
 	$(BIN)/python benchmarks/bench_guard.py
 	$(BIN)/python benchmarks/bench_train.py
+	$(BIN)/python benchmarks/bench_sequence_parallel.py
 
 clean:
 	rm -rf $(VENV) $(KVENV) .pytest_cache .hypothesis *.egg-info
