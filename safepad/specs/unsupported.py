@@ -43,6 +43,11 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
         "inkling2_text": _INKLING,
         "inkling2_loop": f"multimodal inkling2_loop; its language model: {_INKLING} (and looped layers)",
         "inkling2_loop_text": f"{_INKLING} (and looped layers)",
+        "glm5_next": (
+            "its KDA layers are the kimi_linear mixer, but its indexed (DSA) attention ignores packed boundaries and "
+            "pools keys across pads (attention-side; audit: packed 1.7e-2, right-pad decode 1.6e-3 when wrapped)"
+        ),
+        "glm5_next_text": "text model of glm5_next (same indexed attention)",
         "lfm3_vl_vision": (
             "not a causal model: its 'conv' layer type is a 2-D spatial conv over image patches that never "
             "reads or writes a cache (the lfm3_vl language model is supported)"
