@@ -39,6 +39,7 @@ from .context import (
 )
 from .errors import UnsupportedModelError
 from .specs.registry import MixerSpec, spec_for_module, supported_model_types
+from .specs.unsupported import unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,23 @@ def _model_type(model: nn.Module) -> str:
     return getattr(cfg, "model_type", type(model).__name__)
 
 
+def _unsupported_reason(model: nn.Module) -> str:
+    """``": <reason>"`` when the model (or its text model) is a listed unsupported recurrent family, else ``""``."""
+    cfg = getattr(model, "config", None)
+    types = [getattr(cfg, "model_type", None)]
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        try:
+            types.append(getattr(get_text(decoder=True), "model_type", None))
+        except (TypeError, ValueError):
+            pass
+    for mt in types:
+        reason = unsupported_reason(mt) if isinstance(mt, str) else None
+        if reason is not None:
+            return f": {mt} is a recurrent family safepad does not support yet ({reason})"
+    return ""
+
+
 def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Patch every supported recurrent mixer in ``model`` in place and return ``model``.
 
@@ -132,9 +150,10 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
         module._safepad_backend = backend
         owners.add(id(module))
     if not owners:
+        reason = _unsupported_reason(model)
         raise UnsupportedModelError(
             f"safepad.wrap found no supported recurrent mixer in this {type(model).__name__} "
-            f"(model_type={_model_type(model)!r}). Supported model types: {', '.join(supported_model_types())}."
+            f"(model_type={_model_type(model)!r}){reason}. Supported model types: {', '.join(supported_model_types())}."
         )
     _install_model_hooks(model)
     if patched:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "RecurrentFamily",
+    "class_keeps_state",
     "coverage",
     "discover_recurrent_families",
     "recurrent_cache_layer_types",
@@ -89,7 +90,8 @@ def _file_stateful_classes(path: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def _class_keeps_state(cls: type) -> bool:
+def class_keeps_state(cls: type) -> bool:
+    """Whether ``cls``'s source reads or writes conv / recurrent cache state (parsed once per file)."""
     try:
         path = inspect.getsourcefile(cls)
     except TypeError:
@@ -105,7 +107,7 @@ def stateful_classes(model: nn.Module) -> tuple[str, ...]:
         cls = getattr(type(module), "_safepad_original_class", None) or type(module)
         if cls.__module__.startswith("torch.") or cls.__module__ == "builtins":
             continue
-        if _class_keeps_state(cls):
+        if class_keeps_state(cls):
             names.add(cls.__name__)
     return tuple(sorted(names))
 
