@@ -19,11 +19,6 @@ from types import MappingProxyType
 __all__ = ["UNSUPPORTED_FAMILIES", "unsupported_reason"]
 
 _RG = "RG-LRU + conv state kept on the modules (not in the cache); needs an RG-LRU core and a module-state adapter"
-_INKLING = (
-    "short convolutions inside attention (static depthwise with residual, plus per-token dynamic taps) on "
-    "hybrid KV + conv cache layers; needs an attention-side conv patcher"
-)
-
 UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
     {
         "recurrent_gemma": _RG,
@@ -37,12 +32,6 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
             "that resets only at EOS; both need their own padding-correct core"
         ),
         "qwen4_exp_text": "text model of qwen4_exp (same PLE dilated-conv and n-gram states)",
-        "inkling_text": _INKLING,
-        "inkling_mm_model": f"multimodal inkling; its language model: {_INKLING}",
-        "inkling2": f"multimodal inkling2; its language model: {_INKLING}",
-        "inkling2_text": _INKLING,
-        "inkling2_loop": f"multimodal inkling2_loop; its language model: {_INKLING} (and looped layers)",
-        "inkling2_loop_text": f"{_INKLING} (and looped layers)",
         "glm5_next": (
             "its KDA layers are the kimi_linear mixer, but its indexed (DSA) attention ignores packed boundaries and "
             "pools keys across pads (attention-side; audit: packed 1.7e-2, right-pad decode 1.6e-3 when wrapped)"

@@ -247,12 +247,15 @@ NEW_FAMILIES: tuple[str, ...] = (
     "lfm2_vl",
     "lfm3_vl",
     "nemotron_h_omni",
+    "inkling_text",
+    "inkling2_text",
+    "inkling2_loop_text",
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
 UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ("glm5_next",)
 #: the transformers release each family first appears in (families absent from the installed one cannot be built)
-FAMILY_MIN_TRANSFORMERS: dict[str, str] = {"lara_mini": "5.24.0"}
+FAMILY_MIN_TRANSFORMERS: dict[str, str] = {"lara_mini": "5.24.0", "inkling2_loop_text": "5.24.0"}
 #: auto class building each family (default ``AutoModelForCausalLM``): VLM wrappers are image-text-to-text models
 _AUTO_CLASS: dict[str, str] = {
     "glm5_next": "AutoModelForImageTextToText",
@@ -280,8 +283,27 @@ _KDA_TEXT: dict[str, Any] = {
     "linear_num_heads": 4,
     "linear_conv_kernel_dim": 4,
 }
+_INKLING_TEXT: dict[str, Any] = {
+    **_ATTN,
+    "num_hidden_layers": 2,
+    "head_dim": 16,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "sliding_window_size": 64,  # longer than every audit row (see README limits)
+    "rel_extent": 64,
+    "d_rel": 4,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "layer_types": ["hybrid_sliding", "hybrid"],
+    "n_layers_per_attn_res_block": 1,
+}
 _TINY.update(
     {
+        "inkling_text": dict(_INKLING_TEXT),
+        "inkling2_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},
+        "inkling2_loop_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},
         "zamba": {
             "num_hidden_layers": 4,
             "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
@@ -380,6 +402,17 @@ _TINY.update(
         },
     }
 )
+
+
+@torch.no_grad()
+def _strengthen_dynamic_convs(model: nn.Module, seed: int, std: float = 0.5) -> None:
+    """Inkling2's dynamic short convolutions own no ``Conv1d`` (:func:`find_mixers` misses them): draw their static
+    taps and tap projection from N(0, std²) so that their contribution shows in the logits."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    for module in model.modules():
+        if type(module).__name__.endswith("DynamicShortConvolution"):
+            for p in (module.static_weight, module.weight_proj.weight):
+                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p))
 
 
 def family_available(family: str) -> tuple[bool, str]:
@@ -487,4 +520,5 @@ def tiny_model(
             devnull.setLevel(level)
     if strengthen:
         strengthen_mixers(model, seed=seed)
+        _strengthen_dynamic_convs(model, seed)
     return model.to(dtype).eval()
