@@ -405,14 +405,20 @@ _TINY.update(
 
 
 @torch.no_grad()
-def _strengthen_dynamic_convs(model: nn.Module, seed: int, std: float = 0.5) -> None:
+def _strengthen_inkling(model: nn.Module, seed: int, std: float = 0.5) -> None:
     """Inkling2's dynamic short convolutions own no ``Conv1d`` (:func:`find_mixers` misses them): draw their static
-    taps and tap projection from N(0, std²) so that their contribution shows in the logits."""
+    taps and tap projection from N(0, std²). Inkling's tiny logits are ~1e-2 at init (a 1e-4 tolerance would then
+    tell nothing): its output head is drawn from N(0, 0.3²) too."""
+    if not str(getattr(model.config, "model_type", "")).startswith("inkling"):
+        return
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     for module in model.modules():
         if type(module).__name__.endswith("DynamicShortConvolution"):
             for p in (module.static_weight, module.weight_proj.weight):
                 p.copy_((torch.randn(p.shape, generator=gen) * std).to(p))
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.weight.copy_((torch.randn(head.weight.shape, generator=gen) * 0.3).to(head.weight))
 
 
 def family_available(family: str) -> tuple[bool, str]:
@@ -520,5 +526,5 @@ def tiny_model(
             devnull.setLevel(level)
     if strengthen:
         strengthen_mixers(model, seed=seed)
-        _strengthen_dynamic_convs(model, seed)
+        _strengthen_inkling(model, seed)
     return model.to(dtype).eval()
