@@ -23,10 +23,6 @@ UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
     {
         "recurrent_gemma": _RG,
         "minimax": "lightning attention (decayed linear attention, no conv) with its own linear cache; no core yet",
-        "zaya": (
-            "CCA attention: q/k through a depthwise then a grouped (not depthwise) conv, plus a one-token delayed "
-            "value state; needs a grouped-conv core"
-        ),
         "qwen4_exp": (
             "besides its Gated DeltaNet, PLE layers keep a dilated-conv state and a hashed n-gram token-id state "
             "that resets only at EOS; both need their own padding-correct core"

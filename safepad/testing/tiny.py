@@ -250,6 +250,7 @@ NEW_FAMILIES: tuple[str, ...] = (
     "inkling_text",
     "inkling2_text",
     "inkling2_loop_text",
+    "zaya",
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
@@ -301,6 +302,17 @@ _INKLING_TEXT: dict[str, Any] = {
 }
 _TINY.update(
     {
+        "zaya": {
+            **_ATTN,
+            "num_hidden_layers": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "router_hidden_size": 16,
+            "cca_time0": 3,  # conv state 3 = (3 - 1) + (2 - 1) inputs
+            "cca_time1": 2,
+        },
         "inkling_text": dict(_INKLING_TEXT),
         "inkling2_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},
         "inkling2_loop_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},

@@ -1,6 +1,7 @@
 """safepad.wrap on the recurrent families added for transformers 5.23-5.24 (``safepad.testing.tiny.NEW_FAMILIES``):
 zamba (multi-head Mamba1), lfm3 (short conv), lara_mini (Gated DeltaNet, 5.24 only), bailing_hybrid (Kimi Delta
-Attention with a one-projection gate) and the VLM wrappers lfm2_vl / lfm3_vl / nemotron_h_omni.
+Attention with a one-projection gate), the VLM wrappers lfm2_vl / lfm3_vl / nemotron_h_omni, the Inkling short
+convolutions inside attention and ZAYA's CCA projection (two stacked convs + a delayed value state).
 
 Reference: each sequence run alone through the stock model (fp32, CPU). Each family must pass every applicable audit
 scenario when wrapped, and the stock model must fail the layouts it gets wrong (packed rows, right-padded prefill
@@ -31,6 +32,7 @@ MIXER_CLASS = {
     "inkling_text": ("InklingShortConvolution",),
     "inkling2_text": ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
     "inkling2_loop_text": ("Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution"),
+    "zaya": ("ZayaCCAProjection",),
 }
 #: families whose attention measures relative positions in cache slots: a right-padded (or holed) cached call
 #: cannot be made right by fixing the conv states, so the wrapped model raises (and says to pad on the left)
