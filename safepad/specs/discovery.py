@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ __all__ = [
 #: a class keeps recurrent state when its source calls one of these cache methods or assigns such an attribute
 _STATE_CALL = re.compile(r"\.(?:update|get|set)_(?:conv|recurrent|linear)_(?:state|states|cache)\s*\(")
 _STATE_ATTR = re.compile(r"self\.\w*(?:conv\w*_state|recurrent_states?|ssm_states?)\s*=")
-_CLASS_VERDICT: dict[type, bool] = {}
+_CLASS_VERDICT: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,14 @@ def _file_stateful_classes(path: str) -> frozenset[str]:
 
 
 def class_keeps_state(cls: type) -> bool:
-    """Whether ``cls``'s source reads or writes conv / recurrent cache state (parsed once per file)."""
-    try:
-        path = inspect.getsourcefile(cls)
-    except TypeError:
-        return False
-    return bool(path) and cls.__name__ in _file_stateful_classes(path)
+    """Whether ``cls``'s source reads or writes conv / recurrent cache state (parsed once per file, memoised)."""
+    if cls not in _CLASS_VERDICT:
+        try:
+            path = inspect.getsourcefile(cls)
+        except TypeError:  # built-in / C classes
+            path = None
+        _CLASS_VERDICT[cls] = bool(path) and cls.__name__ in _file_stateful_classes(path)
+    return _CLASS_VERDICT[cls]
 
 
 def stateful_classes(model: nn.Module) -> tuple[str, ...]:
