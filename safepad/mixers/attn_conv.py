@@ -98,11 +98,13 @@ def attention_conv_forward(
         scale = 1.0 / math.sqrt(2 * K + 1)
     else:
         if past.has_previous and x.shape[1] == 1:
-            y, state = cached_conv_step(x[:, 0], self.conv1d, past, activation=None, backend=backend)  # [B, D], [B, D, K]
+            y, state = cached_conv_step(x[:, 0], self.conv1d, past, activation=None, backend=backend)  # [B, D], [B,D,K]
             state = hold_masked_rows(mask, state, past.conv)
             y = y[:, None]  # [B, 1, D]
         else:
-            y, state = cached_conv(x, self.conv1d, layout, past, activation=None, want_state=want_state, backend=backend)
+            y, state = cached_conv(
+                x, self.conv1d, layout, past, activation=None, want_state=want_state, backend=backend
+            )  # [B, T, D], [B, D, K]
         scale = self._safepad_spec.options.get("residual_scale", 1.0)
         scale = 1.0 / math.sqrt(K + 1) if scale == "sqrt_k1" else float(scale)
     if state is not None:

@@ -11,7 +11,8 @@ projection (recurrent state). The stock module takes both from the last columns 
 cross packed boundaries, and delays the value across pads. Here the convs run on
 :func:`safepad.ops.conv_stack.causal_conv_stack` (each token's ``K0 + K1 - 1`` input window, other sequences read as
 zeros, exactly as the stock zero padding does for a sequence alone), rows are compacted so that pads are never
-read, the delayed value restarts at every sequence start, and the states are each row's last real ones. Shapes: ``B`` batch, ``T`` tokens, ``C`` conv channels.
+read, the delayed value restarts at every sequence start, and the states are each row's last real ones.
+Shapes: ``B`` batch, ``T`` tokens, ``C`` conv channels.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def cca_projection_forward(self, hidden_states: Tensor, cache=None, conv_mask: T
 
     convs = [(c.weight, c.bias, c.groups) for c in (self.conv_qk_depthwise, self.conv_qk_grouped)]
     out = causal_conv_stack(
-        qk, convs, seq_idx=layout.seq_idx, initial_state=past.conv, token_mask=mask, return_final_state=cache is not None
+        qk, convs, seq_idx=layout.seq_idx, initial_state=past.conv, token_mask=mask,
+        return_final_state=cache is not None,
     )
     conv, conv_state = out if cache is not None else (out, None)  # [B, T, C], [B, C, Kc]
     n_q = q_res.shape[-2] * d

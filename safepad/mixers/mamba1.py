@@ -9,7 +9,8 @@ and differ only in the optional norms (FalconMamba: weightless RMS norms; Jamba:
 which a :class:`~safepad.specs.MixerSpec` declares by attribute name. Zamba's multi-head variant
 (``options["heads"] = True``) interleaves ``x`` and ``z`` in ``in_proj``'s output and gives each of its
 ``n_mamba_heads`` heads its own ``x_proj_weight [H, R + 2N, P]``, ``dt_proj_weight [H, P, R]``, ``A_log [H, P, N]``
-and ``D [H, P]`` (``P = I / H``); each head is scanned on its own, with a ``[B, H, P, N]`` cached state. This forward calls ``in_proj``,
+and ``D [H, P]`` (``P = I / H``); each head is scanned on its own, with a ``[B, H, P, N]`` cached state.
+This forward calls ``in_proj``,
 ``x_proj``, ``dt_proj``, the norms and ``out_proj`` as modules, so PEFT adapters and hooks on them stay
 active. When ``dt_proj`` is a plain ``nn.Linear`` its bias goes into the scan as ``delta_bias`` in float32
 (exactly the stock numerics, as mamba-ssm does); any other ``dt_proj`` (a LoRA layer, a quantized linear)

@@ -51,7 +51,9 @@ def causal_conv_stack(
     B, T, C = x.shape
     Kc = sum(int(w.shape[-1]) - 1 for w, _, _ in layers)
     if initial_state is not None and tuple(initial_state.shape) != (B, C, Kc):
-        raise ValueError(f"initial_state must have shape [B, C, Kc] = [{B}, {C}, {Kc}], got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must have shape [B, C, Kc] = [{B}, {C}, {Kc}], got {tuple(initial_state.shape)}"
+        )
     if seq_idx is not None:
         seq_idx = validate_seq_idx(seq_idx, (B, T))
     if token_mask is not None:

@@ -379,8 +379,14 @@ _TINY.update(
                 "index_topk": 64,
                 "hc_mult": 2,
             },
-            "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-                              "projection_intermediate_size": 64},
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 32,
+                "num_heads": 2,
+                "intermediate_size": 64,
+                "out_hidden_size": 64,
+                "projection_intermediate_size": 64,
+            },
             "image_token_id": 250,
             "video_token_id": 251,
             "image_start_token_id": 252,
@@ -390,14 +396,22 @@ _TINY.update(
         },
         "lfm2_vl": {
             "text_config": {**_COMMON, "model_type": "lfm2", **_TINY["lfm2"]},
-            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+            "vision_config": {
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2
+            },
             "image_token_id": 250,
             "projector_hidden_size": 64,
         },
         "lfm3_vl": {
             "text_config": {**_COMMON, "model_type": "lfm3", **_LFM3_TEXT},
-            "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                              "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "layer_types": ["conv", "full_attention"],
+            },
             "image_token_id": 250,
             "video_token_id": 251,
             "vision_start_token_id": 252,

@@ -8,8 +8,8 @@ from torch import Tensor
 
 
 def ref_conv_stack(x: Tensor, layers, lengths: list[list[int]], initial_state: Tensor | None = None):
-    """Each sequence of ``lengths[b]`` (packed in row ``b``) alone: ``conv_L(...conv_1([prefix ‖ seq]))`` in valid mode,
-    the prefix being ``initial_state`` for a row's first sequence and zeros otherwise. Returns (``y [B, T, C]``, pads 0;
+    """Each sequence of ``lengths[b]`` (packed in row ``b``) alone: ``conv_L(...conv_1([prefix ‖ seq]))`` in valid
+    mode, the prefix being ``initial_state`` for a row's first sequence and zeros otherwise. Returns (``y [B, T, C]``, pads 0;
     final state ``[B, C, Kc]``: the last Kc inputs of [prefix ‖ last sequence])."""
     x = x.double()
     B, T, C = x.shape
@@ -19,7 +19,10 @@ def ref_conv_stack(x: Tensor, layers, lengths: list[list[int]], initial_state: T
     for b in range(B):
         start = 0
         for i, n in enumerate(lengths[b]):
-            prefix = initial_state[b].double() if (i == 0 and initial_state is not None) else torch.zeros(C, Kc, dtype=torch.float64)
+            if i == 0 and initial_state is not None:
+                prefix = initial_state[b].double()
+            else:
+                prefix = torch.zeros(C, Kc, dtype=torch.float64)
             seq = torch.cat([prefix, x[b, start : start + n].T], dim=-1)[None]  # [1, C, Kc + n]
             h = seq
             for w, bias, groups in layers:

@@ -19,7 +19,10 @@ def ref_dynamic_conv(x: Tensor, taps: Tensor, lengths: list[list[int]], initial_
         start = 0
         hist = initial_state[b].double().T.tolist() if initial_state is not None else [[0.0] * D] * K  # K x [D]
         for i, n in enumerate(lengths[b]):
-            buf = [torch.tensor(h, dtype=torch.float64) for h in hist] if i == 0 else [torch.zeros(D, dtype=torch.float64)] * K
+            if i == 0:
+                buf = [torch.tensor(h, dtype=torch.float64) for h in hist]
+            else:
+                buf = [torch.zeros(D, dtype=torch.float64)] * K
             for t in range(start, start + n):
                 buf = buf[1:] + [x[b, t]]  # the last K inputs, oldest first
                 y[b, t] = sum(taps[b, t, :, lag] * buf[K - 1 - lag] for lag in range(K))

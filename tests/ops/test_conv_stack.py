@@ -31,7 +31,8 @@ def _seq_idx(lengths, T):
 
 
 @pytest.mark.parametrize(
-    "lengths", [pytest.param([[1, 2, 3, 4]], id="1-2-3-4"), pytest.param([[3, 4]], id="Kc-Kc+1"), pytest.param([[8]], id="one")]
+    "lengths",
+    [pytest.param([[1, 2, 3, 4]], id="1-2-3-4"), pytest.param([[3, 4]], id="Kc-Kc+1"), pytest.param([[8]], id="one")],
 )
 def test_packed_rows_equal_each_sequence_alone_biases_included(lengths):
     T = sum(lengths[0])
@@ -67,7 +68,9 @@ def test_float32_gradients_match_float64():
     x = _x(2, 9, seed=7, dtype=torch.float32).requires_grad_(True)
     seq_idx = _seq_idx([[4, 5], [9]], 9)
     causal_conv_stack(x, layers32, seq_idx=seq_idx).square().sum().backward()
-    layers64 = [(w.detach().double().requires_grad_(True), b.detach().double().requires_grad_(True), g) for w, b, g in layers32]
+    layers64 = [
+        (w.detach().double().requires_grad_(True), b.detach().double().requires_grad_(True), g) for w, b, g in layers32
+    ]
     x64 = x.detach().double().requires_grad_(True)
     causal_conv_stack(x64, layers64, seq_idx=seq_idx).square().sum().backward()
     assert torch.allclose(x.grad.double(), x64.grad, atol=1e-4)

@@ -68,7 +68,9 @@ def test_decode_steps_equal_the_full_conv_and_a_masked_step_holds_the_state():
     y, state = dynamic_causal_conv1d(x[:, :4], taps[:, :4], return_final_state=True)
     outs = [y]
     for t in range(4, T):
-        y_t, state = dynamic_causal_conv1d(x[:, t : t + 1], taps[:, t : t + 1], initial_state=state, return_final_state=True)
+        y_t, state = dynamic_causal_conv1d(
+            x[:, t : t + 1], taps[:, t : t + 1], initial_state=state, return_final_state=True
+        )
         outs.append(y_t)
     assert torch.allclose(torch.cat(outs, 1), full, atol=1e-12)
     held = dynamic_causal_conv1d(
@@ -85,7 +87,8 @@ def test_float32_gradients_match_float64():
     dynamic_causal_conv1d(x, taps, seq_idx=seq_idx).square().sum().backward()
     x64, t64 = x.detach().double().requires_grad_(True), taps.detach().double().requires_grad_(True)
     dynamic_causal_conv1d(x64, t64, seq_idx=seq_idx).square().sum().backward()
-    assert torch.allclose(x.grad.double(), x64.grad, atol=1e-4) and torch.allclose(taps.grad.double(), t64.grad, atol=1e-4)
+    assert torch.allclose(x.grad.double(), x64.grad, atol=1e-4)
+    assert torch.allclose(taps.grad.double(), t64.grad, atol=1e-4)
 
 
 def test_bad_inputs_raise_clear_errors():
