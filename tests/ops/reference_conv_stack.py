@@ -9,8 +9,8 @@ from torch import Tensor
 
 def ref_conv_stack(x: Tensor, layers, lengths: list[list[int]], initial_state: Tensor | None = None):
     """Each sequence of ``lengths[b]`` (packed in row ``b``) alone: ``conv_L(...conv_1([prefix ‖ seq]))`` in valid
-    mode, the prefix being ``initial_state`` for a row's first sequence and zeros otherwise. Returns (``y [B, T, C]``, pads 0;
-    final state ``[B, C, Kc]``: the last Kc inputs of [prefix ‖ last sequence])."""
+    mode, the prefix being ``initial_state`` for a row's first sequence and zeros otherwise. Returns
+    (``y [B, T, C]``, pads 0; final state ``[B, C, Kc]``: the last Kc inputs of [prefix ‖ last sequence])."""
     x = x.double()
     B, T, C = x.shape
     Kc = sum(w.shape[-1] - 1 for w, _, _ in layers)
