@@ -29,15 +29,18 @@ import torch
 from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
+from ._tracing import device_check, tracing
 from .context import (
     CallContext,
     boundaries_from_kwargs,
     current_context,
+    multi_sequence,
     position_ids_from_seq_idx,
     reset_context,
     set_context,
 )
 from .errors import UnsupportedModelError
+from .mixers.common import probe_gated_norm
 from .specs.registry import MixerSpec, spec_for_module, supported_model_types
 
 logger = logging.getLogger(__name__)
@@ -130,6 +133,7 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
             module.__class__ = _patched_class(type(module), spec)
             patched.append(name)
         module._safepad_backend = backend
+        probe_gated_norm(module, spec.options.get("gated_norm"))
         owners.add(id(module))
     if not owners:
         raise UnsupportedModelError(
@@ -226,6 +230,8 @@ class _ModelPreHook:
             module._safepad_tokens.append(None)
             return None
         B, T = ids.shape[0], ids.shape[1]
+        if tracing():
+            return self._traced_call(module, args, kwargs, B, T, ids)
         mask = kwargs.get("attention_mask")
         padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
         position_ids = kwargs.get("position_ids")
@@ -252,6 +258,71 @@ class _ModelPreHook:
         decode_mask = None
         if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
             decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token is padding in some rows
+        token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
+        module._safepad_tokens.append(token)
+        return args, kwargs
+
+    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor):
+        """The pre-hook while dynamo traces the call: every decision from what is static, checks on the device.
+
+        * boundaries given (``seq_idx`` / ``cu_seq_lens_*``, or 2-D ``position_ids`` without a 2-D mask) run the
+          varlen path, whether or not a row really holds several sequences (same result); a 2-D mask next to
+          ``seq_idx`` / ``cu_seq_lens`` must be all ones (checked) and is dropped, as eager drops it;
+        * an explicitly requested cache keeps the unpacked path and checks on the device that no row holds
+          several sequences (the eager error); without one the call runs with ``use_cache=False``;
+        * ``position_ids`` next to a 2-D mask are not read as packing; the device checks that they do not
+          restart at 0 while the mask is all ones (eager would read them as packed rows);
+        * a 2-D mask on a one-token step always travels to the mixers (rows marked real are unaffected).
+        """
+        info = self.info
+        params = info["params"]
+        mask = kwargs.get("attention_mask")
+        mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        position_ids = kwargs.get("position_ids")
+        position_ids = position_ids if isinstance(position_ids, torch.Tensor) else None
+        explicit = any(isinstance(kwargs.get(k), torch.Tensor) for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
+        seq_idx, source = boundaries_from_kwargs(
+            (B, T),
+            seq_idx=kwargs.get("seq_idx"),
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+            position_ids=position_ids if (explicit or not mask2d) else None,
+        )
+        kwargs.pop("seq_idx", None)
+        if not info["var_kwargs"]:
+            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                if k not in params:
+                    kwargs.pop(k, None)
+        cache_requested = kwargs.get("use_cache") is True or any(
+            kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
+        )
+        if seq_idx is not None and cache_requested:
+            device_check(
+                ~multi_sequence(seq_idx),
+                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
+                "keeps one recurrent state per row, so there is no right state to store. Call with "
+                "use_cache=False, or pad the sequences (left or right) instead of packing them.",
+            )
+            seq_idx = None  # every row holds one sequence (checked): the unpacked path, as eager
+        elif seq_idx is not None:
+            if mask2d:
+                device_check(
+                    mask.to(torch.bool).all(),
+                    f"packed boundaries ({source}) came together with an attention_mask that has zeros: describe "
+                    "padding as its own segment of the packed row (the safepad collator does) or pad without "
+                    "packing; under torch.compile a row of one sequence with padding must come without "
+                    f"{source} too",
+                )
+            self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
+        elif mask2d and position_ids is not None and position_ids.dim() == 2 and T > 1:
+            if tuple(position_ids.shape) == (B, T):
+                device_check(
+                    ~((position_ids[:, 1:] == 0).any() & mask.to(torch.bool).all()),
+                    "position_ids restart at 0 inside a row (packed sequences) while an all-ones attention_mask "
+                    "is given: under torch.compile packed rows must come without an attention_mask (or with "
+                    "seq_idx / cu_seq_lens_q); eager safepad drops such a mask",
+                )
+        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
         token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
         module._safepad_tokens.append(token)
         return args, kwargs

@@ -23,6 +23,7 @@ from safepad.layout.boundaries import (
     validate_seq_idx,
 )
 
+from .._tracing import device_check, tracing
 from . import kernels
 from .amp import fp32_core
 
@@ -98,6 +99,8 @@ def conv_states_from_inputs(
         # the state does not keep the caller's larger input tensor alive)
         final = x[:, T - L :].transpose(1, 2).clone(memory_format=torch.contiguous_format)  # [B, D, L]
         return (final if return_final_state else None), None
+    if seq_idx is None and not return_varlen_states and tracing():
+        return (_row_states_right_padded(x, L, initial_state, token_mask) if return_final_state else None), None
     if seq_idx is None:
         seq_idx = torch.zeros(Bsz, T, dtype=torch.int32, device=dev)
     n_tok = Bsz * T
@@ -137,6 +140,28 @@ def conv_states_from_inputs(
         last = sid.reshape(Bsz, T)[:, -1]  # [B] id of each row's last sequence
         final = states[last]  # [B, D, L]
     return final, (states if return_varlen_states else None)
+
+
+def _row_states_right_padded(x: Tensor, L: int, initial_state: Tensor | None, token_mask: Tensor | None) -> Tensor:
+    """One sequence per row, real tokens first: the last ``L`` real inputs of ``[initial_state || x]`` of each row,
+    ``[B, D, L]``, zero-filled on the left (the same values as the general gather, with static shapes)."""
+    Bsz, T, D = x.shape
+    if token_mask is not None and T > 1:
+        device_check(
+            ~(token_mask[:, 1:] & ~token_mask[:, :-1]).any(),
+            "under torch.compile, conv states are gathered from right-padded rows only (real tokens first); "
+            "compact the rows first (safepad.layout.Compaction)",
+        )
+    S_init = 0 if initial_state is None else initial_state.shape[-1]
+    parts = [x.new_zeros(Bsz, D, 1)]  # column 0: the zero fill
+    if initial_state is not None:
+        parts.append(initial_state.to(x.dtype))
+    parts.append(x.transpose(1, 2))
+    src = torch.cat(parts, dim=2)  # [B, D, 1 + S_init + T]
+    n = torch.full((Bsz,), T, device=x.device) if token_mask is None else token_mask.sum(dim=1)  # [B] real tokens
+    col = S_init + n[:, None] - L + torch.arange(L, device=x.device)  # [B, L] column in [init || x]
+    col = torch.where(col >= 0, col + 1, torch.zeros_like(col))  # before the first input: the zero column
+    return src.gather(2, col[:, None, :].expand(Bsz, D, L))  # [B, D, L]
 
 
 # Tokens per block of the conv's forward and backward: each pass of the K shifted sums then reads and writes
@@ -243,7 +268,7 @@ def _causal_conv_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool
 ) -> tuple[Tensor, Tensor]:
     out, pre = _CausalConv.fwd(x, weight, bias, head, same, silu)
-    return out, (x.new_empty(0) if pre is None else pre)
+    return out.contiguous(), (x.new_empty(0) if pre is None else pre.contiguous())
 
 
 @_causal_conv_op.register_fake
@@ -260,8 +285,7 @@ def _causal_conv_bwd_op(
     g_xp, g_w, g_b = _CausalConv.bwd(
         g, x, head, weight, same, pre if silu else None, silu, has_bias, (need_x, need_w, need_b, need_head)
     )
-    empty = x.new_empty(0)
-    return (empty if g_xp is None else g_xp), (empty if g_w is None else g_w), (empty if g_b is None else g_b)
+    return tuple(x.new_empty(0) if t is None else t.contiguous() for t in (g_xp, g_w, g_b))  # no two alike
 
 
 @_causal_conv_bwd_op.register_fake

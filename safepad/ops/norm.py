@@ -77,7 +77,7 @@ class _GatedRMSNorm:
 # _GatedRMSNorm as custom ops with a registered autograd formula (opaque to torch.compile, same code in eager).
 @torch.library.custom_op("safepad::gated_rms_norm", mutates_args=())
 def _gated_rms_norm_op(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
-    return _GatedRMSNorm.fwd(y, gate, weight, group_size, eps)
+    return tuple(t.contiguous() for t in _GatedRMSNorm.fwd(y, gate, weight, group_size, eps))
 
 
 @_gated_rms_norm_op.register_fake
@@ -91,7 +91,7 @@ def _(y, gate, weight, group_size, eps):
 def _gated_rms_norm_bwd_op(
     g_out: Tensor, y: Tensor, gate: Tensor, weight: Tensor, rstd: Tensor, group_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _GatedRMSNorm.bwd(g_out, y, gate, weight, rstd, group_size)
+    return tuple(t.contiguous() for t in _GatedRMSNorm.bwd(g_out, y, gate, weight, rstd, group_size))
 
 
 @_gated_rms_norm_bwd_op.register_fake

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from safepad._tracing import device_check, tracing
 from safepad.layout.boundaries import validate_seq_idx
 from safepad.ops import kernels
 from safepad.ops.amp import fp32_core
@@ -168,7 +169,7 @@ class _SelectiveScanFn:
 def _selective_scan_op(
     u: Tensor, dt: Tensor, A: Tensor, Bm: Tensor, Cm: Tensor, h0: Tensor | None, resets: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _SelectiveScanFn.fwd(u, dt, A, Bm, Cm, h0, resets)
+    return tuple(t.contiguous() for t in _SelectiveScanFn.fwd(u, dt, A, Bm, Cm, h0, resets))
 
 
 @_selective_scan_op.register_fake
@@ -184,7 +185,7 @@ def _selective_scan_bwd_op(
     h: Tensor, dA: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     g = _SelectiveScanFn.bwd(gy, gh, u, dt, A, Bm, Cm, h0, h, dA)
-    return (*g[:5], u.new_empty(0) if g[5] is None else g[5])
+    return tuple(t.contiguous() for t in (*g[:5], u.new_empty(0) if g[5] is None else g[5]))
 
 
 @_selective_scan_bwd_op.register_fake
@@ -235,8 +236,11 @@ def _check_A(A: object, Dm: int) -> Tensor:
         raise ValueError(f"A must have shape [Dm, N] = [{Dm}, N], got {shape}")
     if not A.is_floating_point():
         raise ValueError(f"A must be a floating-point tensor, got {A.dtype}")
-    if A.numel() and bool((A > 0).any()):
-        raise ValueError("A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up")
+    message = "A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up"
+    if A.numel() and tracing():
+        device_check(~(A > 0).any(), message)
+    elif A.numel() and bool((A > 0).any()):
+        raise ValueError(message)
     return A
 
 
@@ -335,8 +339,13 @@ def selective_scan(
             shape = list(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
             raise ValueError(f"token_mask must be a bool tensor of shape [B, T] = [{Bsz}, {T}], got {shape}")
         if token_mask.dtype != torch.bool:
-            if token_mask.is_floating_point() or bool(((token_mask != 0) & (token_mask != 1)).any()):
-                raise ValueError("token_mask must be boolean (or 0/1 integers): True marks a real token")
+            message = "token_mask must be boolean (or 0/1 integers): True marks a real token"
+            if token_mask.is_floating_point():
+                raise ValueError(message)
+            if tracing():
+                device_check(((token_mask == 0) | (token_mask == 1)).all(), message)
+            elif bool(((token_mask != 0) & (token_mask != 1)).any()):
+                raise ValueError(message)
             token_mask = token_mask.bool()
 
     if torch.compiler.is_compiling():

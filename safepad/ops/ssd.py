@@ -162,7 +162,7 @@ def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -
 # run as they are) saving only its small inputs; the autograd path of the scan (varlen states) uses it.
 @torch.library.custom_op("safepad::ssd_intra_chunk", mutates_args=())
 def _intra_chunk(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
-    return _intra_fwd(acs, CB, xdt, keep)
+    return _intra_fwd(acs, CB, xdt, keep).contiguous()
 
 
 @_intra_chunk.register_fake
@@ -172,7 +172,7 @@ def _(acs, CB, xdt, keep):
 
 @torch.library.custom_op("safepad::ssd_intra_chunk_bwd", mutates_args=())
 def _intra_chunk_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _intra_bwd(acs, CB, xdt, keep, gy)
+    return tuple(t.contiguous() for t in _intra_bwd(acs, CB, xdt, keep, gy))
 
 
 @_intra_chunk_bwd.register_fake
@@ -442,7 +442,7 @@ def _ssd_core_op(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, init: Tensor | None, seq: Tensor | None,
     Q: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _SSDCore.fwd(x, dt, A, B, C, D, init, seq, Q)
+    return tuple(t.contiguous() for t in _SSDCore.fwd(x, dt, A, B, C, D, init, seq, Q))  # the fake's strides
 
 
 @_ssd_core_op.register_fake
@@ -466,8 +466,8 @@ def _ssd_core_bwd_op(
     need_D: bool, need_init: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     g = _SSDCore.bwd(gy, g_final, x, dt, A, B, C, D, init, seq, d, prev, y_off, Q, need_D, need_init)
-    empty = x.new_empty(0)
-    return (*g[:5], empty if g[5] is None else g[5], empty if g[6] is None else g[6])
+    g = (*g[:5], x.new_empty(0) if g[5] is None else g[5], x.new_empty(0) if g[6] is None else g[6])
+    return tuple(t.contiguous() for t in g)  # the fake's strides
 
 
 @_ssd_core_bwd_op.register_fake
