@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def gated_delta_mixer_forward(
     Dv = getattr(self, opts.get("value_head_dim", "head_v_dim"))
 
     if mask is not None:
-        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+        hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     mixed, z, b, a = _project_qkv(self, opts, hidden_states)  # [B, T, conv_dim]
     conv_dim = mixed.shape[-1]
     key_dim = getattr(self, opts.get("key_dim", "key_dim"))  # H_k * Dk
@@ -163,7 +163,7 @@ def gated_delta_mixer_forward(
             mixed, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
         q, k, v = mixed.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
-        rule_out = chunk_gated_delta_rule(
+        rule_out = layout_op(layout, chunk_gated_delta_rule)(
             q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
             k.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
             v.reshape(Bsz, T, -1, Dv),  # [B, T, H, Dv]
@@ -181,7 +181,7 @@ def gated_delta_mixer_forward(
         if want_state:
             write_states(cache, self.layer_idx, conv=conv_final, recurrent=rec_final)
         if mask is not None:
-            o = o * mask[:, :, None, None].to(o.dtype)  # pad outputs are unspecified by the op: make them 0
+            o = torch.where(mask[:, :, None, None], o, 0.0)  # pad outputs are unspecified by the op: make them 0
 
     gate = _output_gate(self, opts, hidden_states, z)
     Tq = o.shape[1]
