@@ -56,7 +56,7 @@ def test_ssd_intra_chunk_op():
 @pytest.mark.parametrize("same", [True, False], ids=["packed", "plain"])
 def test_causal_conv_op(silu, same):
     Bsz, T, D, K = 2, 7, 6, 4
-    same_t = (torch.rand(K - 1, Bsz, T, 1) > 0.3).double() if same else None
+    same_t = (torch.rand(K - 1, Bsz, T, 1) > 0.3) if same else None  # bool: selection
     args = (_r(Bsz, T, D), _r(D, K), _r(D), _r(Bsz, K - 1, D), same_t, silu)
     torch.library.opcheck(conv._causal_conv_op, args)
 
