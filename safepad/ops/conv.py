@@ -342,7 +342,29 @@ def _conv_torch(
         seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
         same = torch.stack([seqp[:, k : k + T] == seq_idx for k in range(K - 1)])  # [K-1, B, T]
         same = same.unsqueeze(-1)  # [K-1, B, T, 1] bool (selection, not a multiply)
+    if tracing():
+        return _causal_conv_traced(x, weight, bias, head, same, activation in ("silu", "swish"))
     return _causal_conv_op(x, weight, bias, head, same, activation in ("silu", "swish"))[0]
+
+
+def _causal_conv_traced(
+    x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool
+) -> Tensor:
+    """:class:`_CausalConv`'s math as plain torch ops, for ``torch.compile``: inductor fuses the ``K`` shifted
+    sums (and the backward AOT autograd derives from them) into one loop each, where the opaque custom op would
+    stream every term. Arguments as :meth:`_CausalConv.fwd`; returns ``[B, T, D]``."""
+    T = x.shape[1]
+    K = weight.shape[1]
+    xp = torch.cat([head, x], dim=1)  # [B, K-1+T, D]
+    pre = x * weight[:, K - 1]  # [B, T, D] the current token
+    if bias is not None:
+        pre = pre + bias
+    for k in range(K - 1):  # pre[t] += w[:, k] * x[t - (K-1-k)], same sequence only
+        src = xp[:, k : k + T]  # [B, T, D]
+        if same is not None:
+            src = torch.where(same[k], src, 0.0)  # selection: a NaN across the boundary is dropped
+        pre = pre + src * weight[:, k]
+    return F.silu(pre) if silu else pre
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
