@@ -1,6 +1,7 @@
 """torch.compile on wrapped models: graph breaks, compiled training step vs eager, cached inference, checks.
 
-One family per mixer kind (mamba2: nemotron_h, mamba1: mamba, gated_delta: qwen3_next, short_conv: lfm2), tiny
+One family per mixer kind (mamba2: nemotron_h, mamba1: mamba, gated_delta: qwen3_next, short_conv: lfm2; plus
+inkling2_text and zaya, whose convolutions are plain torch ops), tiny
 shapes. Graph breaks are counted with ``torch._dynamo.explain`` (tracing only); the numeric tests compile with
 inductor (forward + backward) and compare loss and every gradient with the eager wrapped model, which the
 rest of the suite checks against each sequence run alone through the stock model.
@@ -19,6 +20,8 @@ from safepad.testing import run_scenario, tiny_model
 
 #: one family per mixer kind
 KINDS = {"mamba2": "nemotron_h", "mamba1": "mamba", "gated_delta": "qwen3_next", "short_conv": "lfm2"}
+#: plus the families whose convolutions are plain torch ops (Inkling2's dynamic conv, ZAYA's conv stack)
+FAMILIES = {**KINDS, "dynamic_conv": "inkling2_text", "conv_stack": "zaya"}
 LENGTHS = (5, 1, 13, 9)  # a length-1 sequence, one shorter than the conv width, one across the chunk (16) edge
 TOL = 1e-5
 #: inductor's graph pipeline without its code generation (see test_inductor_training_step_equals_eager)
@@ -102,14 +105,14 @@ def _explain(model, kw: dict):
 
 
 #: every kind packed via position_ids and padded; the other boundary encodings (one shared pre-hook) on mamba2
-BREAK_CASES = [(k, lay) for k in KINDS for lay in ("position_ids", "padded")] + [
+BREAK_CASES = [(k, lay) for k in FAMILIES for lay in ("position_ids", "padded")] + [
     ("mamba2", "seq_idx"), ("mamba2", "cu_seq_lens")
 ]
 
 
 @pytest.mark.parametrize(("kind", "layout"), BREAK_CASES, ids=[f"{k}-{lay}" for k, lay in BREAK_CASES])
 def test_training_forward_has_no_graph_break(kind: str, layout: str):
-    family = KINDS[kind]
+    family = FAMILIES[kind]
     model = _model(family)
     kw = _padded_batch() if layout == "padded" else _packed_batch(layout)
     kw = _accepts(model, kw)
@@ -142,13 +145,13 @@ def _compare_steps(family: str, batches: list[dict], backend: str) -> None:
             assert err <= TOL * max(1.0, g.abs().max().item()), (name, err)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(FAMILIES))
 def test_compiled_training_step_equals_eager(kind: str):
     """Packed (cu_seq_lens + position_ids), then left-padded (a recompile): dynamo, AOT autograd's joint graph
     through the custom ops, inductor's decompositions and partitioner, run without inductor's C++ build (minutes
     per model on these machines; ``aot_eager`` itself fails on the stock Qwen3-Next backward with a padded batch)."""
     batches = [_packed_batch("cu_seq_lens", seed=1), _padded_batch(seed=2, left=True)]
-    _compare_steps(KINDS[kind], batches, BACKEND)
+    _compare_steps(FAMILIES[kind], batches, BACKEND)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from safepad._tracing import device_check, tracing
 from safepad.layout.boundaries import validate_seq_idx
 
 __all__ = ["causal_conv_stack"]
@@ -60,8 +61,11 @@ def causal_conv_stack(
         if tuple(token_mask.shape) != (B, T):
             raise ValueError(f"token_mask must have shape [B, T] = [{B}, {T}], got {tuple(token_mask.shape)}")
         token_mask = token_mask.to(torch.bool)
-        if T > 1 and bool((token_mask[:, 1:] & ~token_mask[:, :-1]).any()):
-            raise ValueError("token_mask must be right-padded (real tokens first); compact left pads / holes first")
+        msg = "token_mask must be right-padded (real tokens first); compact left pads / holes first"
+        if T > 1 and tracing():  # no host sync under torch.compile: the check runs on the device
+            device_check(~(token_mask[:, 1:] & ~token_mask[:, :-1]).any(), msg)
+        elif T > 1 and bool((token_mask[:, 1:] & ~token_mask[:, :-1]).any()):
+            raise ValueError(msg)
         x = x * token_mask[..., None].to(x.dtype)
     prev = x.new_zeros(B, C, Kc) if initial_state is None else initial_state.to(x.dtype)
     ctx = torch.cat([prev, x.transpose(1, 2)], dim=-1)  # [B, C, Kc + T]

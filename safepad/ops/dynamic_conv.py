@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from safepad._tracing import device_check, tracing
 from safepad.layout.boundaries import validate_seq_idx
 
 __all__ = ["dynamic_causal_conv1d"]
@@ -37,11 +38,14 @@ def _check(x: Tensor, taps: Tensor, initial_state: Tensor | None, token_mask: Te
     if tuple(token_mask.shape) != (B, T):
         raise ValueError(f"token_mask must have shape [B, T] = [{B}, {T}], got {tuple(token_mask.shape)}")
     m = token_mask.to(torch.bool)
-    if T > 1 and bool((m[:, 1:] & ~m[:, :-1]).any()):
-        raise ValueError(
-            "token_mask must be right-padded (real tokens first, then pads); compact left pads / holes first "
-            "(safepad.layout.masks.Compaction)"
-        )
+    msg = (
+        "token_mask must be right-padded (real tokens first, then pads); compact left pads / holes first "
+        "(safepad.layout.masks.Compaction)"
+    )
+    if T > 1 and tracing():  # no host sync under torch.compile: the check runs on the device
+        device_check(~(m[:, 1:] & ~m[:, :-1]).any(), msg)
+    elif T > 1 and bool((m[:, 1:] & ~m[:, :-1]).any()):
+        raise ValueError(msg)
     return m
 
 
