@@ -351,6 +351,8 @@ class _ModelPreHook:
         """
         info = self.info
         params = info["params"]
+        if not any(isinstance(kwargs.get(k), torch.Tensor) for k in _BOUNDARY_INPUTS):
+            _check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
         mask = kwargs.get("attention_mask")
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         position_ids = kwargs.get("position_ids")
@@ -449,6 +451,8 @@ class _CheckpointWithContext:
         self.inner = inner
 
     def __call__(self, function, *args, **kwargs):
+        if tracing():  # dynamo traces the checkpoint into the graph: the recompute is part of the compiled backward
+            return self.inner(function, *args, **kwargs)
         return self.inner(_InContext(function, contextvars.copy_context()), *args, **kwargs)
 
 
@@ -555,6 +559,80 @@ def _inside_generate() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+@torch.compiler.assume_constant_result
+def _check_enclosing_call_at_trace() -> bool:
+    """While dynamo traces a wrapped model's call that received no boundaries: raise ``ValueError`` (surfacing as
+    dynamo's ``InternalTorchDynamoError``, a ``RuntimeError`` carrying the message) when the boundaries of an
+    enclosing module call could not reach it.
+
+    Eager calls look one module call up the stack (:func:`_boundaries_of_enclosing_call`); a traced one cannot use
+    what it would find there (tensors of the real stack, not graph inputs). Run once per trace (dynamo executes this
+    for real and keeps the result), it walks the real Python stack to the nearest module call that is neither
+    safepad-wrapped nor a ``torch.compile`` wrapper of a wrapped model:
+
+    * a ``torch.compile`` wrapper of an unwrapped model (``torch.compile(model)`` after ``wrap(model.backbone)``)
+      whose call holds boundary tensors: the message (dynamo re-traces when those inputs come or go);
+    * a plain (not compiled) module around a compiled wrapped submodule, when its call holds boundary tensors, or
+      whatever it holds when it is a transformers model whose forward can take boundaries (its compiled submodule's
+      graph is reused for its later calls, which may hold some).
+
+    Returns True otherwise (dynamo keeps the result as a constant).
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES * 64):  # dynamo's own frames (~80) sit between the traced call and the real stack
+        if frame is None:
+            return True
+        owner = frame.f_locals.get("self") if frame.f_code in _CALL_CODES else None
+        if isinstance(owner, nn.Module):
+            inner = owner._orig_mod if isinstance(owner, OptimizedModule) else owner
+            if "_safepad_hook_handles" not in inner.__dict__:
+                break
+        frame = frame.f_back
+    else:
+        return True
+    outer_kwargs = frame.f_locals.get("kwargs") or {}
+    found = [k for k in _BOUNDARY_INPUTS if isinstance(outer_kwargs.get(k), torch.Tensor)]
+    name = type(inner).__name__
+    fix = (
+        f"Under torch.compile, call safepad.wrap on the outermost model ({name}) and compile that, or pass the "
+        "boundaries to the wrapped model yourself."
+    )
+    compiled = isinstance(owner, OptimizedModule)
+    up = frame.f_back
+    for _ in range(_MAX_FRAMES):  # the frame dynamo converts is the module's own call; its compile wrapper is above
+        if up is None or compiled:
+            break
+        parent = up.f_locals.get("self") if up.f_code in _CALL_CODES else None
+        if isinstance(parent, nn.Module) and parent is not inner:  # (_wrapped_call_impl and _call_impl: 2 frames)
+            compiled = isinstance(parent, OptimizedModule) and parent._orig_mod is inner
+            break
+        up = up.f_back
+    if compiled:
+        if found:
+            raise ValueError(
+                f"{name} was called with packed boundaries ({', '.join(found)}) but calls the safepad-wrapped model "
+                f"inside it without them; eager safepad finds them one call up the stack, a compiled call cannot. {fix}"
+            )
+        return True
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # noqa: BLE001
+        PreTrainedModel = ()  # type: ignore[assignment]
+    params = inspect.signature(inner.forward).parameters
+    takes = isinstance(inner, PreTrainedModel) and (
+        any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) or any(k in params for k in _BOUNDARY_INPUTS)
+    )  # a transformers model may drop them (pass-through wrappers such as DDP hand them on)
+    if found or takes:
+        raise ValueError(
+            f"a compiled safepad-wrapped model is called by the uncompiled {name}, whose forward can take packed "
+            f"boundaries ({', '.join(k for k in _BOUNDARY_INPUTS if k in params) or '**kwargs'}) that it may not "
+            f"pass down; eager safepad finds them one call up the stack, a compiled call cannot. {fix}"
+        )
+    return True
 
 
 def _restarts(position_ids: torch.Tensor) -> bool:

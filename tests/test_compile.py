@@ -247,3 +247,59 @@ def test_invalid_boundaries_raise_under_compile(case: str):
     with pytest.raises(RuntimeError, match=message):
         with torch.no_grad():
             compiled(**kw)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# gradient checkpointing, a wrapped submodule
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "mamba1"])
+def test_gradient_checkpointing_compiled_equals_eager(kind: str):
+    """``gradient_checkpointing_enable()`` + ``torch.compile``: the checkpoint is traced into the graph (0 breaks),
+    so the recompute runs inside the compiled backward with the call's boundaries; packed loss and grads equal the
+    eager checkpointed step (which the wrap tests check against each sequence alone)."""
+    family = KINDS[kind]
+    eager = _model(family)
+    eager.gradient_checkpointing_enable()
+    kw = _accepts(eager, _packed_batch("seq_idx", seed=3))
+    ex = _explain(eager, kw)
+    assert ex.graph_break_count == 0, [r.reason for r in ex.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(eager), backend=BACKEND)
+    loss_e, grads_e = _step(eager, kw)
+    loss_c, grads_c = _step(compiled, kw)
+    assert abs(loss_c.item() - loss_e.item()) <= TOL * max(1.0, abs(loss_e.item()))
+    assert grads_c.keys() == grads_e.keys()
+    for name, g in grads_e.items():
+        assert (grads_c[name] - g).abs().max().item() <= TOL * max(1.0, g.abs().max().item()), name
+
+
+def _backbone_wrapped():
+    torch.manual_seed(0)
+    model = tiny_model("mamba").train()  # MambaForCausalLM calls its backbone without seq_idx
+    safepad.wrap(model.backbone)
+    return model
+
+
+def test_compiled_model_around_wrapped_backbone_raises_on_packed_rows():
+    """``wrap(model.backbone)`` then ``torch.compile(model)``: eager finds the dropped boundaries one call up the
+    stack; a compiled call cannot, so a packed call raises (before this check it silently ran as one sequence)."""
+    model = _backbone_wrapped()
+    compiled = torch.compile(copy.deepcopy(model), backend=BACKEND)
+    kw = _packed_batch("seq_idx", seed=1)
+    with pytest.raises(RuntimeError, match="call safepad.wrap on the outermost model"):
+        _step(compiled, kw)
+    kw = _padded_batch(seed=2, left=True)  # no boundaries: nothing to lose, compiles and equals eager
+    loss_e, _ = _step(model, kw)
+    loss_c, _ = _step(compiled, kw)
+    assert abs(loss_c.item() - loss_e.item()) <= TOL * max(1.0, abs(loss_e.item()))
+
+
+def test_compiled_wrapped_backbone_inside_eager_model_raises():
+    """``wrap(model.backbone)``, ``model.backbone = torch.compile(model.backbone)``: the compiled backbone's graph is
+    reused for every later call of the eager outer model, which may drop boundaries: raises whatever the call."""
+    model = _backbone_wrapped()
+    model.backbone = torch.compile(model.backbone, backend=BACKEND)
+    with pytest.raises(RuntimeError, match="call safepad.wrap on the outermost model"):
+        _step(model, _padded_batch(seed=2))
