@@ -17,13 +17,14 @@ Under ``torch.compile`` the context also lives in a plain module-level stack tha
 cannot trace ``ContextVar``): the model hooks push onto it (:func:`enter_call`) whether they run traced
 (``torch.compile(model)``) or eagerly around a compiled ``forward`` (``model.forward =
 torch.compile(model.forward)``), and traced code reads it from there. Boundaries are then derived and
-validated on the device (see :mod:`safepad._tracing`); that stack is process-wide, so compiled calls of
-wrapped models must not run concurrently in several threads.
+validated on the device (see :mod:`safepad._tracing`); that stack is per thread (``threading.local``, which
+compiled code reads in the calling thread), so concurrent calls in several threads stay apart.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -78,8 +79,17 @@ class CallContext:
 
 
 _CONTEXT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("safepad_call_context", default=None)
-#: the same contexts as a stack that dynamo can trace (innermost call last); read only by traced code
-_TRACED: list[CallContext | None] = []
+#: the same contexts as a stack that dynamo can trace (innermost call last), one per thread; read only by traced
+#: code. Compiled code reads it at run time (``model.forward = torch.compile(model.forward)``: the hooks push
+#: eagerly), in the calling thread, so concurrent calls in other threads never see each other's boundaries.
+_THREAD = threading.local()
+
+
+def _traced_stack() -> list[CallContext | None]:
+    stack = getattr(_THREAD, "stack", None)
+    if stack is None:
+        stack = _THREAD.stack = []
+    return stack
 #: the token :func:`set_context` returns while tracing (no ContextVar is touched then)
 _TRACED_TOKEN = "traced"
 
@@ -87,7 +97,8 @@ _TRACED_TOKEN = "traced"
 def current_context() -> CallContext | None:
     """The context of the model call in progress, if any."""
     if tracing():
-        return _TRACED[-1] if _TRACED else None
+        stack = _traced_stack()
+        return stack[-1] if stack else None
     return _CONTEXT.get()
 
 
@@ -101,7 +112,7 @@ def reset_context(token: contextvars.Token) -> None:
 
 def enter_call(ctx: CallContext | None) -> contextvars.Token | str:
     """A model call begins: ``ctx`` becomes the current context (the ContextVar, and the traced stack)."""
-    _TRACED.append(ctx)
+    _traced_stack().append(ctx)
     if tracing():
         return _TRACED_TOKEN
     return _CONTEXT.set(ctx)
@@ -109,8 +120,9 @@ def enter_call(ctx: CallContext | None) -> contextvars.Token | str:
 
 def exit_call(token: contextvars.Token | str) -> None:
     """The model call of :func:`enter_call`'s ``token`` ends."""
-    if _TRACED:
-        _TRACED.pop()
+    stack = _traced_stack()
+    if stack:
+        stack.pop()
     if token is not _TRACED_TOKEN:
         _CONTEXT.reset(token)
 

@@ -303,3 +303,53 @@ def test_compiled_wrapped_backbone_inside_eager_model_raises():
     model.backbone = torch.compile(model.backbone, backend=BACKEND)
     with pytest.raises(RuntimeError, match="call safepad.wrap on the outermost model"):
         _step(model, _padded_batch(seed=2))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the traced call context is per thread
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_compiled_forward_ignores_a_call_in_flight_in_another_thread():
+    """``model.forward = torch.compile(model.forward)``: the model hooks push the call context eagerly and the
+    compiled forward reads it at run time. Another thread's call entering between the two (forced here by a hook
+    that runs one to its pre-hook) must not be read: with one process-wide stack the compiled forward took that
+    call's context, whose shape does not match, and silently ran the packed row as one sequence."""
+    import threading
+
+    from safepad.context import CallContext, enter_call, exit_call
+
+    model = _model("nemotron_h").eval()
+    kw = _packed_batch("seq_idx", seed=5)
+    kw.pop("labels")
+    with torch.no_grad():
+        want = model(**kw, use_cache=False).logits
+    model.forward = torch.compile(model.forward, backend=BACKEND)
+    entered, done, errors = threading.Event(), threading.Event(), []
+
+    def other_call():  # a call of another thread, in flight while this thread's compiled forward runs
+        try:
+            token = enter_call(CallContext(seq_idx=None, shape=(1, 3)))
+            entered.set()
+            done.wait(timeout=600)
+            exit_call(token)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            entered.set()
+
+    other = threading.Thread(target=other_call)
+
+    def other_call_enters(*_args):  # runs after safepad's pre-hook: the other thread's call begins meanwhile
+        other.start()
+        entered.wait(timeout=600)
+
+    handle = model.register_forward_pre_hook(other_call_enters)
+    try:
+        with torch.no_grad():
+            got = model(**kw, use_cache=False).logits
+    finally:
+        handle.remove()
+        done.set()
+        other.join()
+    assert not errors, errors
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
