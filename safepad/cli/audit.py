@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
-from ..testing.tiny import EXTRA_FAMILIES, FAMILIES, tiny_model
+from ..testing.tiny import family_names, tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument(
         "--family",
         default=None,
-        help=f"built-in tiny model: {', '.join(FAMILIES + EXTRA_FAMILIES)} (default nemotron_h)",
+        help=f"built-in tiny model: {', '.join(family_names())} (default nemotron_h)",
     )
     src.add_argument("--model", metavar="PATH", default=None, help="local checkpoint directory (AutoModelForCausalLM)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype (default float32)")
@@ -88,8 +88,8 @@ def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
             parser.error(f"--model: cannot load {args.model!r} with AutoModelForCausalLM: {exc}")
         return model.to(device).eval(), os.path.basename(os.path.normpath(args.model))
     family = args.family or "nemotron_h"
-    if family not in FAMILIES + EXTRA_FAMILIES:
-        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(FAMILIES + EXTRA_FAMILIES)}")
+    if family not in family_names():  # every safepad.supported_model_types() entry is one
+        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(family_names())}")
     return tiny_model(family, dtype=dtype).to(device), f"tiny {family}"
 
 

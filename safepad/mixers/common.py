@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as mod
 
+from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, current_context, resolve_seq_idx
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
@@ -28,9 +29,8 @@ __all__ = [
 ]
 
 
-#: the names transformers has used for the cache argument of a mixer (5.23: cache_params / past_key_values;
-#: later releases: cache)
-CACHE_KWARGS = ("cache_params", "past_key_values", "cache")
+#: the names transformers has used for the cache argument of a mixer (one list for the package: safepad.cache)
+CACHE_KWARGS = CACHE_NAMES
 
 
 def pop_cache(cache, kwargs: dict):

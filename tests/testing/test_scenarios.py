@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from safepad.cache import output_cache
 from safepad.testing import (
     SCENARIOS,
     ScenarioResult,
@@ -157,7 +158,7 @@ def test_cache_states_cover_every_layer_kind(models):
         model, _ = models(family)
         with torch.no_grad():
             out = model(torch.randint(3, 256, (2, 9)), use_cache=True)
-        states = cache_states(out.past_key_values)
+        states = cache_states(output_cache(out))
         assert expected <= set(states), (family, sorted(states))
         assert all(t.shape[0] == 2 for t in states.values())
 
