@@ -207,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stdlib docstrings to train on (default 1500)",
     )
     p.add_argument("--logging-steps", type=int, default=5)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "auto"),
+        default="cpu",
+        help="cpu (default; gloo between processes) or auto (the accelerator when there is one, e.g. for FSDP)",
+    )
     args = p.parse_args(argv)
     for name in ("max_steps", "max_length", "batch_size", "max_docs", "logging_steps"):
         if getattr(args, name) < 1:
@@ -230,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     packed, stats = safepad.pack_dataset(tokenized, args.max_length, return_stats=True)
 
     model = safepad.wrap(build_model(args.family, args.seed))
+    use_cpu = args.device == "cpu" or not torch.cuda.is_available()
     counter = _CountingCollator(safepad.DataCollatorForPackedSSM(pad_to_multiple_of=64, pad_token_id=PAD_ID))
     output_dir = args.output_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "safepad-train-packed")
     training_args = TrainingArguments(
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_strategy="no",
         report_to=[],
         seed=args.seed,
-        use_cpu=True,
+        use_cpu=use_cpu,
         dataloader_num_workers=0,
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Mamba / Mamba2 / FalconMamba, whose forward has none. Keep them there, or every packed row would
         # collate as ONE sequence (pack_dataset keeps only packable columns, so nothing else gets through).
         remove_unused_columns="position_ids" in inspect.signature(model.forward).parameters,
-        ddp_backend="gloo" if world_size > 1 else None,
+        ddp_backend="gloo" if world_size > 1 and use_cpu else None,
     )
     trainer = Trainer(
         model=model,
