@@ -326,8 +326,11 @@ class CachePreHook:
             use_cache = bool(getattr(_config_of(module), "use_cache", False))
         if not use_cache:
             return False
-        # transformers turns the cache off under activation checkpointing in training
-        return not (getattr(module, "training", False) and getattr(module, "is_gradient_checkpointing", False))
+        # transformers turns the cache off under activation checkpointing in training (5.24 renamed the flag)
+        if not getattr(module, "training", False):
+            return True
+        flag = next((n for n in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(module), n)), None)
+        return not (flag is not None and getattr(module, flag))
 
 
 def cache_post_hook(module: Any, args: tuple, output: Any) -> None:

@@ -325,8 +325,9 @@ def _packed_mask_mapping(module: nn.Module, seq_idx: torch.Tensor, keys: tuple[s
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     shape_only = torch.empty(B, T, 0, dtype=dtype, device=seq_idx.device)  # create_causal_mask reads shape/dtype
     positions = position_ids_from_seq_idx(seq_idx)
+    cache_kw = cache_argument(create_causal_mask) or "past_key_values"  # 5.23: past_key_values, 5.24: cache
     full = create_causal_mask(
-        config=config, inputs_embeds=shape_only, attention_mask=None, past_key_values=None, position_ids=positions
+        config=config, inputs_embeds=shape_only, attention_mask=None, position_ids=positions, **{cache_kw: None}
     )
     mapping: dict = {k: full for k in keys}
     mapping.setdefault("linear_attention", None)
