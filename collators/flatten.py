@@ -28,6 +28,11 @@ __all__ = ["CollatorStats", "DataCollatorForPackedSSM", "PER_TOKEN_KEYS"]
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+_INT64_MAX = np.iinfo(np.int64).max
+#: Largest ``pad_to_multiple_of`` accepted: a pad tail is at most this many tokens.
+MAX_PAD_TO_MULTIPLE_OF = 1 << 20
+# Marker: a per-example field with no value in any feature of the batch (omitted from the output).
+_ABSENT = object()
 
 #: Feature keys that are always per-token (1-D, same length as ``input_ids``).
 PER_TOKEN_KEYS: frozenset[str] = frozenset(
@@ -80,7 +85,12 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
             raise ValueError(f"feature {index}: {key!r} must hold integer ids, got a tensor of dtype {value.dtype}")
         arr = value.detach().cpu().numpy()
     else:
-        arr = np.asarray(value)
+        arr = _asarray(value, key, index)
+    if _python_ints_beyond_int64(value, arr) or (arr.dtype.kind == "u" and arr.size and arr.max() > _INT64_MAX):
+        raise ValueError(
+            f"feature {index}: {key!r} holds the unsigned value {max(int(x) for x in arr.tolist())} >= 2**63, "
+            "which the int64 output cannot hold (it would wrap to a negative id)"
+        )
     if arr.ndim != 1:
         raise ValueError(f"feature {index}: {key!r} must be 1-D (one sequence per feature), got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
@@ -93,10 +103,36 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
     return arr
 
 
-def _as_array(value: Any) -> np.ndarray:
+def _python_ints_beyond_int64(value: Any, arr: np.ndarray) -> bool:
+    """numpy turns a list of Python ints with one >= 2**63 into float64 (rounding them): catch that."""
+    return (
+        arr.dtype.kind == "f"
+        and isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        and max(value) > _INT64_MAX
+    )
+
+
+def _asarray(value: Any, key: str, index: int | str) -> np.ndarray:
+    """``np.asarray`` with an error that names the field (ragged nested lists)."""
+    try:
+        return np.asarray(value)
+    except ValueError as e:
+        raise ValueError(
+            f"feature {index}: {key!r} is a ragged nested list (its rows differ in length), not an array: {e}"
+        ) from e
+
+
+def _as_array(value: Any, key: str = "?", index: int | str = "?") -> np.ndarray:
+    """``value`` as numpy. Python floats (lists, as a plain ``datasets`` row gives them) become float32, like
+    ``torch.tensor``'s default dtype in transformers' collators; numpy arrays and tensors keep their dtype."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
-    return np.asarray(value)
+    if isinstance(value, np.ndarray):
+        return value
+    arr = _asarray(value, key, index)
+    return arr.astype(np.float32) if arr.dtype == np.float64 else arr
 
 
 class DataCollatorForPackedSSM:
@@ -171,10 +207,24 @@ class DataCollatorForPackedSSM:
         per_token_keys: Iterable[str] = (),
         per_example_keys: Iterable[str] = (),
     ) -> None:
-        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+        if pad_to_multiple_of is not None and (
+            not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1
+        ):
             raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        if pad_to_multiple_of is not None and pad_to_multiple_of > MAX_PAD_TO_MULTIPLE_OF:
+            raise ValueError(
+                f"pad_to_multiple_of={pad_to_multiple_of} exceeds {MAX_PAD_TO_MULTIPLE_OF} tokens: every batch would "
+                "be padded to that many tokens; use the row length you train with (e.g. 64, or max_length)"
+            )
+        if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+        ):
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+        if max_tokens is not None and pad_to_multiple_of is not None and pad_to_multiple_of > max_tokens:
+            raise ValueError(
+                f"pad_to_multiple_of={pad_to_multiple_of} > max_tokens={max_tokens}: every padded batch would "
+                "exceed max_tokens"
+            )
         if not isinstance(pad_token_id, (int, np.integer)) or isinstance(pad_token_id, bool):
             raise ValueError(f"pad_token_id must be an int, got {pad_token_id!r}")
         if on_empty not in ("error", "skip"):
@@ -252,10 +302,8 @@ class DataCollatorForPackedSSM:
             elif k in self.per_example_keys:
                 per_example.append(k)
             else:
-                is_tok = all(
-                    np.ndim(f[k]) == 1 and len(f[k]) == n and _as_array(f[k]).dtype.kind in "iufb"
-                    for f, n in zip(features, lengths)
-                )
+                arrs = [_as_array(f[k], k, i) for i, f in enumerate(features)]
+                is_tok = all(a.ndim == 1 and a.shape[0] == n and a.dtype.kind in "iufb" for a, n in zip(arrs, lengths))
                 (per_token if is_tok else per_example).append(k)
         return per_token, per_example
 
@@ -361,7 +409,9 @@ class DataCollatorForPackedSSM:
         for k in per_token:
             parts = []
             for j, f, n in zip(kept, kept_features, feat_lengths):
-                a = _as_array(f[k])
+                a = _as_array(f[k], k, j)
+                if a.dtype.kind == "u" and a.size and a.max() > _INT64_MAX:
+                    raise ValueError(f"feature {j}: per-token field {k!r} holds an unsigned value >= 2**63")
                 if a.shape != (n,):
                     raise ValueError(
                         f"feature {j}: per-token field {k!r} has shape {a.shape} but input_ids has {n} tokens"
@@ -372,7 +422,9 @@ class DataCollatorForPackedSSM:
                 vals = np.concatenate([vals, np.zeros(pad, dtype=vals.dtype)])  # [T]
             batch[k] = vals[None]  # [1, T]
         for k in per_example:
-            batch[k] = self._collate_per_example(k, [f[k] for f in kept_features], kept, return_tensors)
+            value = self._collate_per_example(k, [f[k] for f in kept_features], kept, return_tensors)
+            if value is not _ABSENT:
+                batch[k] = value
 
         if return_tensors == "pt":
             for k in ("input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q", *per_token):
@@ -393,19 +445,31 @@ class DataCollatorForPackedSSM:
 
     @staticmethod
     def _collate_per_example(key: str, values: list[Any], indices: list[int], return_tensors: str) -> Any:
-        first = values[0]
-        if isinstance(first, str) or first is None:
+        """Concatenate one per-example field along dim 0 in packing order.
+
+        ``None`` and empty Python lists (an example without media; a packed row whose sequences have none)
+        contribute nothing; a field without any value in the batch is omitted (returns ``_ABSENT``).
+        """
+        present = [(i, v) for i, v in zip(indices, values) if not _is_nothing(v)]
+        if not present:
+            return _ABSENT
+        first = present[0][1]
+        if isinstance(first, str) or any(isinstance(v, str) for _, v in present):
             return list(values)
         if isinstance(first, torch.Tensor) and return_tensors == "pt":
-            vals = [v if v.dim() else v.reshape(1) for v in values]  # scalars -> [1]
+            vals = []
+            for _, v in present:
+                if not isinstance(v, torch.Tensor):
+                    v = torch.from_numpy(np.ascontiguousarray(_as_array(v, key, _)))
+                vals.append(v if v.dim() else v.reshape(1))  # scalars -> [1]
             try:
                 return torch.cat(vals, dim=0)  # [sum_i n_i, ...]
             except RuntimeError as e:
                 raise ValueError(
                     f"per-example field {key!r} cannot be concatenated along dim 0 across features {indices}: {e}"
                 ) from e
-        arrs = [np.atleast_1d(_as_array(v)) for v in values]
-        if arrs[0].dtype == object:
+        arrs = [np.atleast_1d(_as_array(v, key, i)) for i, v in present]
+        if any(a.dtype.kind in "OUS" for a in arrs):  # objects / strings: no tensor, pass the values through
             return list(values)
         try:
             out = np.concatenate(arrs, axis=0)  # [sum_i n_i, ...]
@@ -414,3 +478,8 @@ class DataCollatorForPackedSSM:
                 f"per-example field {key!r} cannot be concatenated along dim 0 across features {indices}: {e}"
             ) from e
         return torch.from_numpy(out) if return_tensors == "pt" else out
+
+
+def _is_nothing(value: Any) -> bool:
+    """``None`` or an empty Python list / tuple: no value for this example."""
+    return value is None or (isinstance(value, (list, tuple)) and len(value) == 0)

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from safepad.errors import PaddingWarning
+from safepad.errors import PaddingError, PaddingWarning
 from safepad.guard import GUARD_MODES, GuardHandle, get_guard, guard
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,25 @@ __all__ = ["KIND_DROPPED_BOUNDARIES", "KIND_TOKENIZER", "PaddingGuardCallback"]
 
 KIND_TOKENIZER = "right_padding_tokenizer"
 KIND_DROPPED_BOUNDARIES = "dropped_boundary_columns"
+_BOUNDARY_COLUMNS = frozenset({"seq_lengths", "position_ids"})
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose callback event is running (a few frames up), or None."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+        return None
+    finally:
+        del frame
 
 
 def _padding_side(processing_class: Any) -> str | None:
@@ -66,10 +85,12 @@ class PaddingGuardCallback(TrainerCallback):
         self.log_stats = bool(log_stats)
         self.handle: GuardHandle | None = None
         self._owns_handle = False
+        self._warned: set[str] = set()
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         if model is None:
             raise ValueError("PaddingGuardCallback needs the Trainer to pass `model` to on_train_begin")
+        self._warned = set()
         existing = get_guard(model)
         if existing is not None and existing.installed_by == type(self).__name__:
             # left behind by a run that raised before on_train_end (e.g. mode="error"): replace it
@@ -98,16 +119,22 @@ class PaddingGuardCallback(TrainerCallback):
                 warnings.warn(PaddingWarning(msg, KIND_TOKENIZER), stacklevel=2)
 
     def _check_boundary_columns(self, args, model, dataloader) -> None:
-        """Warn when Trainer's column filter removed pack_dataset's boundary columns before collation.
+        """Report when Trainer's column filter removes pack_dataset's boundary columns before collation.
 
         ``remove_unused_columns`` keeps only the columns ``model.forward`` names. Mamba, Mamba2 and FalconMamba
         take no ``position_ids``, so a packed dataset loses both ``seq_lengths`` and ``position_ids`` and the
-        packing collator would read every packed row as one sequence.
+        packing collator would read every packed row as one sequence. ``mode="warn"`` warns; ``"error"`` raises
+        :class:`~safepad.errors.PaddingError`, and so does ``"fix"``: wrapping the model cannot bring back
+        columns the Trainer has already removed.
+
+        The columns are read from the Trainer's own ``train_dataset`` (before the filter), so a dataset with one
+        example per row and no boundary columns is left alone. A stream's columns are only known batch by batch:
+        its column filter (``RemoveColumnsCollator``) is checked on every feature instead.
         """
         if dataloader is None or not getattr(args, "remove_unused_columns", False):
             return
-        collate = getattr(dataloader, "collate_fn", None)
-        collate = getattr(collate, "data_collator", collate)  # transformers' RemoveColumnsCollator
+        collate_fn = getattr(dataloader, "collate_fn", None)
+        collate = getattr(collate_fn, "data_collator", collate_fn)  # transformers' RemoveColumnsCollator
         from collators import DataCollatorForPackedSSM
 
         if not isinstance(collate, DataCollatorForPackedSSM):
@@ -115,20 +142,57 @@ class PaddingGuardCallback(TrainerCallback):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if "position_ids" in inspect.signature(base.forward).parameters:
             return
-        columns = getattr(getattr(dataloader, "dataset", None), "column_names", None)
-        if columns is None or {"seq_lengths", "position_ids"} & set(columns):
+        trainer = _calling_trainer()
+        source = getattr(trainer, "train_dataset", None)
+        columns = getattr(source, "column_names", None)
+        if columns is not None:
+            if _BOUNDARY_COLUMNS & set(columns):
+                self._report_dropped(base, self.handle.mode, certain=True)
             return
+        kept = getattr(collate_fn, "signature_columns", None)
+        if callable(getattr(collate_fn, "_remove_columns", None)) and kept is not None:
+            dropped = _BOUNDARY_COLUMNS - set(kept)
+            if dropped == _BOUNDARY_COLUMNS:
+                self._watch_stream(collate_fn, base, self.handle.mode)
+            return
+        left = getattr(getattr(dataloader, "dataset", None), "column_names", None)  # after the filter
+        if left is not None and not _BOUNDARY_COLUMNS & set(left):
+            self._report_dropped(base, self.handle.mode, certain=False)
+
+    def _watch_stream(self, collate_fn: Any, base: Any, mode: str) -> None:
+        """Check every feature that the stream's column filter is about to strip of its boundary columns."""
+        strip = collate_fn._remove_columns
+
+        def remove_columns(feature):
+            if isinstance(feature, dict) and _BOUNDARY_COLUMNS & feature.keys():
+                self._report_dropped(base, mode, certain=True)
+            return strip(feature)
+
+        collate_fn._remove_columns = remove_columns
+
+    def _report_dropped(self, base: Any, mode: str, certain: bool) -> None:
         msg = (
             f"safepad: Trainer's remove_unused_columns keeps only the columns {type(base).__name__}.forward names, "
             "and it takes no position_ids: the seq_lengths / position_ids columns of a pack_dataset dataset are "
             "dropped before collation, so DataCollatorForPackedSSM reads each packed row as ONE sequence and state "
-            "leaks between the examples packed into it. Fix: TrainingArguments(remove_unused_columns=False). "
-            "(Datasets with one example per row are unaffected.)"
+            "leaks between the examples packed into it. Fix: TrainingArguments(remove_unused_columns=False)."
         )
-        logger.warning("%s", msg)
-        if KIND_DROPPED_BOUNDARIES not in self.handle.warned:
+        if certain and mode in ("error", "fix"):
+            if self._owns_handle and self.handle is not None:
+                self.handle.remove()  # nothing will train: leave the model as it was
+            self.handle, self._owns_handle = None, False
+            raise PaddingError(msg, (KIND_DROPPED_BOUNDARIES,))
+        if not certain:  # the Trainer (and so the columns before the filter) was not found
+            msg += " (Datasets with one example per row and no such columns are unaffected.)"
+        if KIND_DROPPED_BOUNDARIES in self._warned or (
+            self.handle is not None and KIND_DROPPED_BOUNDARIES in self.handle.warned
+        ):
+            return
+        self._warned.add(KIND_DROPPED_BOUNDARIES)
+        if self.handle is not None:
             self.handle.warned.add(KIND_DROPPED_BOUNDARIES)
-            warnings.warn(PaddingWarning(msg, KIND_DROPPED_BOUNDARIES), stacklevel=3)
+        logger.warning("%s", msg)
+        warnings.warn(PaddingWarning(msg, KIND_DROPPED_BOUNDARIES), stacklevel=3)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self.log_stats or self.handle is None or logs is None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
 from ..testing.tiny import family_names, tiny_model
 
@@ -44,7 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help=f"built-in tiny model: {', '.join(family_names())} (default nemotron_h)",
     )
-    src.add_argument("--model", metavar="PATH", default=None, help="local checkpoint directory (AutoModelForCausalLM)")
+    src.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="local checkpoint directory: a causal LM, or a VLM (its language model is audited)",
+    )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     p.add_argument("--backend", default="auto", help="safepad.wrap backend (default auto)")
@@ -80,17 +86,62 @@ def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
     if args.model is not None:
         if not os.path.isdir(args.model):
             parser.error(f"--model: {args.model!r} is not a directory; pass a local checkpoint directory")
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            parser.error(f"--model: cannot load {args.model!r} with AutoModelForCausalLM: {exc}")
-        return model.to(device).eval(), os.path.basename(os.path.normpath(args.model))
+        model, label = _load_checkpoint(args.model, dtype, parser)
+        return model.to(device).eval(), label
     family = args.family or "nemotron_h"
     if family not in family_names():  # every safepad.supported_model_types() entry is one
         parser.error(f"--family: unknown family {family!r}; choose from {', '.join(family_names())}")
     return tiny_model(family, dtype=dtype).to(device), f"tiny {family}"
+
+
+# Auto classes tried for --model, in order: text models first, then VLMs (whose language part is audited).
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMultimodalLM")
+
+
+def _load_checkpoint(path: str, dtype: torch.dtype, parser: argparse.ArgumentParser) -> tuple[nn.Module, str]:
+    """Load ``path`` with the auto class its config belongs to; return the part to audit and its label.
+
+    A VLM is audited through its language model: the outermost submodule that is a causal LM (e.g. the
+    ``NemotronHForCausalLM`` inside ``NemotronH_Omni_Reasoning_V3``), or, when the language model has no head of
+    its own, the VLM itself on text-only inputs. Every failure is a usage error (exit 2), never a traceback.
+    """
+    import transformers
+    from transformers import AutoConfig
+
+    from ..guard import find_ssm_layers
+    from ..wrap import supported_model_types
+
+    name = os.path.basename(os.path.normpath(path))
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"--model: cannot load {path!r}: cannot read its config: {exc}")
+    classes = [getattr(transformers, c) for c in _AUTO_CLASSES if hasattr(transformers, c)]
+    auto = next((c for c in classes if type(config) in c._model_mapping), None)
+    if auto is None:
+        parser.error(
+            f"--model: {path!r} holds a {config.model_type!r} model ({type(config).__name__}), which none of "
+            f"{', '.join(c.__name__ for c in classes)} loads; safepad audit needs a causal language model or a "
+            "VLM built around one"
+        )
+    try:
+        model = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
+        parser.error(f"--model: cannot load {path!r} with {auto.__name__}: {exc}")
+    if find_ssm_layers(model) is None:
+        parser.error(
+            f"--model: {name} ({type(model).__name__}, model_type={config.model_type!r}) has no recurrent "
+            "(SSM / linear-attention) layer, so padding and packing are its attention's business and safepad has "
+            f"nothing to audit. Models with such layers: {', '.join(supported_model_types())}"
+        )
+    if auto.__name__ == "AutoModelForCausalLM":
+        return model, name
+    lm_classes = set(transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    for sub_name, sub in model.named_modules():
+        if sub_name and type(sub).__name__ in lm_classes and find_ssm_layers(sub) is not None:
+            logger.info("safepad audit: auditing %s.%s (%s) of %s", name, sub_name, type(sub).__name__, name)
+            return sub, f"{name}: {sub_name} ({type(sub).__name__})"
+    return model, f"{name} ({type(model).__name__}, text-only inputs)"
 
 
 def _resolve_wrap(
@@ -239,15 +290,18 @@ def run(
         def _advance(which: str, r: ScenarioResult) -> None:
             progress.update(task, advance=1, description=f"{which} {r.name}")
 
-        report = audit(
-            model,
-            fn,
-            names,
-            tol=args.tol,
-            progress=_advance,
-            model_name=label,
-            sweep_pads=args.max_pads if args.plot else None,
-        )
+        try:
+            report = audit(
+                model,
+                fn,
+                names,
+                tol=args.tol,
+                progress=_advance,
+                model_name=label,
+                sweep_pads=args.max_pads if args.plot else None,
+            )
+        except UnsupportedModelError as exc:  # raised by wrap before any scenario ran
+            parser.error(f"{label}: {exc} Run with --no-wrap for a stock-only audit.")
     _print_report(console, report)
     code = 0 if report.passed else 1
     if args.json:

@@ -11,6 +11,7 @@ from torch.nn.modules import module as mod
 
 from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, current_context, resolve_seq_idx
+from ..distributed.context import SPContext, resolve_sp
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.norm import gated_rms_norm
@@ -24,6 +25,7 @@ __all__ = [
     "cached_conv_step",
     "gated_norm",
     "hold_masked_rows",
+    "layout_op",
     "pop_cache",
     "prepare_layout",
 ]
@@ -48,12 +50,14 @@ class Layout:
 
     ``mask`` ``[B, T]`` bool right-padded token mask (``None``: every token is real);
     ``seq_idx`` ``[B, T]`` int32 packed boundaries (``None``: one sequence per row);
-    ``compaction``: set when the rows were compacted (left pads / holes) and outputs must be scattered back.
+    ``compaction``: set when the rows were compacted (left pads / holes) and outputs must be scattered back;
+    ``sp``: the sequence-parallel context when this call is one rank's shard (``safepad.distributed``).
     """
 
     mask: Tensor | None
     seq_idx: Tensor | None
     compaction: Compaction | None
+    sp: SPContext | None = None
 
     def restore(self, out: Tensor) -> Tensor:
         """Put ``out`` ``[B, T, ...]`` back into the caller's token order."""
@@ -84,10 +88,25 @@ def prepare_layout(
             "packed boundaries (seq_idx / cu_seq_lens / position_ids) came together with an attention_mask that "
             "has zeros; describe padding either as its own segment in the packed row or with a mask, not both"
         )
+    sp = resolve_sp(module, (B, T))
+    if sp is not None and (cache is not None or mask is not None):
+        raise ValueError(
+            f"{type(module).__name__}: a sequence-parallel shard cannot take a cache or a padding mask; pack the "
+            "sequences and call with use_cache=False"
+        )
     if compaction is not None:
         hidden_states = compaction.gather(hidden_states)  # [B, T, C] real tokens first
         mask = compaction.mask
-    return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction)
+    return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction, sp=sp)
+
+
+def layout_op(layout: Layout, fn):
+    """``fn`` (a torch-core op), or its sequence-parallel version when ``layout`` is one rank's shard."""
+    if layout.sp is None:
+        return fn
+    from ..distributed.ops import sp_op
+
+    return sp_op(fn, layout.sp)
 
 
 def _analyse_mask(attention_mask: Tensor | None, shape: tuple[int, int]) -> tuple[Tensor | None, Compaction | None]:
@@ -119,7 +138,7 @@ def cached_conv(
     are not part of the state, and ``past.conv`` (the HF cache layout) is the left context of each row.
     """
     weight = conv.weight.squeeze(1)  # [D, 1, K] -> [D, K]
-    out = causal_conv1d(
+    out = layout_op(layout, causal_conv1d)(
         x,
         weight,
         conv.bias,

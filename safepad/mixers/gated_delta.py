@@ -45,7 +45,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def gated_delta_mixer_forward(
             mixed, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
         q, k, v = mixed.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
-        rule_out = chunk_gated_delta_rule(
+        rule_out = layout_op(layout, chunk_gated_delta_rule)(
             q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
             k.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
             v.reshape(Bsz, T, -1, Dv),  # [B, T, H, Dv]

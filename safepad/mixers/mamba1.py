@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ..cache import read_states, write_states
 from ..ops.selective_scan import selective_scan, selective_state_step
-from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 __all__ = ["mamba1_mixer_forward"]
 
@@ -116,7 +116,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         )  # [B, T, I], [B, I, K]
         dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, T, R], [B, T, N], [B, T, N]
         dt, delta_bias = _dt(self, dt_low)  # [B, T, I]
-        scan_out = selective_scan(
+        scan_out = layout_op(layout, selective_scan)(
             xc,
             dt,
             A,

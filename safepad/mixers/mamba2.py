@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.ssd import ssd_scan, ssd_step
-from .common import cached_conv, cached_conv_step, gated_norm, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, layout_op, cached_conv_step, gated_norm, hold_masked_rows, pop_cache, prepare_layout
 
 __all__ = ["mamba2_mixer_forward"]
 
@@ -78,7 +78,7 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
             xBC, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
         x, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
-        scan_out = ssd_scan(
+        scan_out = layout_op(layout, ssd_scan)(
             x.reshape(Bsz, T, H, P),  # [B, T, H, P]
             dt,  # [B, T, H]
             A,

@@ -295,3 +295,80 @@ def test_warns_when_trainer_drops_pack_dataset_boundaries(tmp_path, remove_unuse
         trainer.train()
     kinds = [getattr(w.message, "kind", None) for w in caught if issubclass(w.category, safepad.PaddingWarning)]
     assert (KIND_DROPPED_BOUNDARIES in kinds) == remove_unused_columns
+
+
+@pytest.mark.parametrize("mode", ["error", "fix"])
+def test_error_mode_raises_when_trainer_drops_pack_dataset_boundaries(tmp_path, mode):
+    """mode="error" must not only warn: without the columns each packed row trains as ONE sequence. "fix" cannot
+    bring dropped columns back, so it raises too; remove_unused_columns=False trains."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+    from trainer_ext import KIND_DROPPED_BOUNDARIES
+
+    packed = safepad.pack_dataset(Dataset.from_list(make_examples(8)), max_length=32)
+
+    def trainer(remove_unused_columns):
+        model = safepad.wrap(tiny_model("mamba2")).train()
+        return Trainer(
+            model=model,
+            args=training_args(tmp_path, max_steps=1, remove_unused_columns=remove_unused_columns),
+            train_dataset=packed,
+            data_collator=safepad.DataCollatorForPackedSSM(),
+            callbacks=[safepad.PaddingGuardCallback(mode=mode)],
+        )
+
+    t = trainer(True)
+    with pytest.raises(PaddingError, match="remove_unused_columns=False") as exc:
+        t.train()
+    assert exc.value.kinds == (KIND_DROPPED_BOUNDARIES,)
+    assert t.state.global_step == 0 and get_guard(t.model) is None  # nothing trained, guard removed
+    t = trainer(False)
+    t.train()
+    assert t.state.global_step == 1
+
+
+def test_error_mode_leaves_unpacked_rows_alone(tmp_path):
+    """One example per row, no boundary columns: the column filter loses nothing, so error mode trains (and warns
+    nothing). The check reads the Trainer's dataset before the filter, not the loader's after it."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+
+    trainer = Trainer(
+        model=safepad.wrap(tiny_model("mamba2")).train(),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=Dataset.from_list(make_examples(8)),
+        data_collator=safepad.DataCollatorForPackedSSM(),
+        callbacks=[safepad.PaddingGuardCallback(mode="error")],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PaddingWarning)
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_error_mode_raises_when_a_stream_loses_its_boundary_columns(tmp_path):
+    """A packed IterableDataset: Trainer strips seq_lengths / position_ids batch by batch (RemoveColumnsCollator)."""
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+    from trainer_ext import KIND_DROPPED_BOUNDARIES
+
+    stream = safepad.pack_dataset(Dataset.from_list(make_examples(8)).to_iterable_dataset(), max_length=32)
+    trainer = Trainer(
+        model=safepad.wrap(tiny_model("mamba2")).train(),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=stream,
+        data_collator=safepad.DataCollatorForPackedSSM(),
+        callbacks=[safepad.PaddingGuardCallback(mode="error")],
+    )
+    with pytest.raises(PaddingError, match="remove_unused_columns=False") as exc:
+        trainer.train()
+    assert exc.value.kinds == (KIND_DROPPED_BOUNDARIES,) and trainer.state.global_step == 0

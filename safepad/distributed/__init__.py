@@ -1,0 +1,46 @@
+"""Sequence-parallel training of wrapped models over a ``torch.distributed`` process group.
+
+::
+
+    import safepad, safepad.distributed as spd
+    model = safepad.wrap(model)
+    sp = spd.sequence_parallel(model, group)   # every rank of `group` is fed the same full batch
+    loss = model(**batch).loss                 # the whole batch's loss; logits are this rank's shard
+    loss.backward(); sp.sync_gradients()       # every rank now holds the unsharded gradient
+
+Each rank holds a contiguous shard of every (packed) row. Conv layers get the ``K - 1``-token halo from
+the previous rank; recurrent layers get their incoming state from the ranks before them (an affine scan
+over ranks of each shard's final state and transition, :mod:`safepad.distributed.ops`); attention layers
+all-gather K/V (:mod:`safepad.distributed.attention`). All exchanges are differentiable.
+
+Submodules load lazily, so ``safepad.mixers`` can consult :mod:`safepad.distributed.context` without
+importing the entry point.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    "SUPPORTED_KINDS",
+    "SPContext",
+    "SequenceParallel",
+    "UnsupportedSequenceParallelError",
+    "current_sp",
+    "sequence_parallel",
+]
+
+_LAZY = {
+    "SUPPORTED_KINDS": "model",
+    "SequenceParallel": "model",
+    "UnsupportedSequenceParallelError": "model",
+    "sequence_parallel": "model",
+    "SPContext": "context",
+    "current_sp": "context",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,161 @@
+"""The entry point's contract in one process (a gloo group of 1): what it refuses, and how.
+
+Every refusal is a ``ValueError`` (``UnsupportedSequenceParallelError`` for the model-level ones) raised
+before anything trains on zero-restarted states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import safepad
+from safepad.distributed import SequenceParallel, UnsupportedSequenceParallelError, sequence_parallel
+from safepad.testing.tiny import tiny_model
+
+from .sp_worker import PACKED, _batch
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(UnsupportedSequenceParallelError, match="torch.distributed initialised"):
+        sequence_parallel(safepad.wrap(tiny_model("mamba2")))
+
+
+def test_unwrapped_model_raises(group):
+    with pytest.raises(UnsupportedSequenceParallelError, match=r"safepad.wrap\(model\) first"):
+        sequence_parallel(tiny_model("nemotron_h"))
+
+
+def test_unsupported_mixer_kind_raises(group):
+    model = safepad.wrap(tiny_model("mamba2"))
+    mixer = model.backbone.layers[0].mixer
+    mixer._safepad_spec = dataclasses.replace(mixer._safepad_spec, kind="rwkv7")
+    with pytest.raises(UnsupportedSequenceParallelError, match=r"mixer kind\(s\) \['rwkv7'\]"):
+        sequence_parallel(model)
+
+
+def test_op_without_exchange_raises():
+    from safepad.distributed.ops import sp_op
+    from safepad.ops.conv import causal_conv1d_step
+
+    with pytest.raises(ValueError, match="no rank exchange"):
+        sp_op(causal_conv1d_step, object())
+
+
+@pytest.mark.parametrize("what", ["sliding", "router"])
+def test_unsupported_configs_raise(group, what):
+    model = safepad.wrap(tiny_model("qwen3_next"))
+    if what == "sliding":
+        model.config.layer_types = ["linear_attention", "sliding_attention"]
+        match = "only full causal attention"
+    else:
+        model.config.output_router_logits = True
+        match = "router auxiliary loss"
+    with pytest.raises(UnsupportedSequenceParallelError, match=match):
+        sequence_parallel(model)
+
+
+def test_attention_that_bypasses_the_interface_raises(group):
+    model = safepad.wrap(tiny_model("nemotron_h"))
+    sp = sequence_parallel(model)
+    try:
+        model.config._attn_implementation = "sdpa"  # attention no longer goes through the SP function
+        ids, pos, _, labels = _batch(PACKED, model.config.vocab_size, seed=1)
+        with pytest.raises(UnsupportedSequenceParallelError, match="ran without the sequence-parallel attention"):
+            model(input_ids=ids, position_ids=pos, labels=labels)
+    finally:
+        sp.remove()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("padding", id="padding-mask"),
+        pytest.param("cache", id="use_cache"),
+        pytest.param("odd_length", id="length-not-divisible"),
+        pytest.param("short", id="shard-shorter-than-halo"),
+        pytest.param("unknown_column", id="unknown-per-token-kwarg"),
+        pytest.param("tuple_output", id="return_dict-False"),
+        pytest.param("short_labels", id="labels-wrong-length"),
+        pytest.param("shard_positions", id="position_ids-of-a-shard"),
+        pytest.param("bad_seq_idx", id="seq_idx-decreasing"),
+        pytest.param("disagree", id="seq_idx-and-position_ids-disagree"),
+    ],
+)
+def test_bad_calls_raise(group, bad):
+    model = safepad.wrap(tiny_model("nemotron_h"))
+    sp = sequence_parallel(model)
+    try:
+        ids, pos, _, labels = _batch(PACKED, model.config.vocab_size, seed=1)
+        kw = {"input_ids": ids, "position_ids": pos, "labels": labels}
+        if bad == "padding":
+            mask = torch.ones_like(ids)
+            mask[0, -3:] = 0
+            kw = {"input_ids": ids, "attention_mask": mask}
+            match = "padding masks"
+        elif bad == "cache":
+            kw = {"input_ids": ids, "use_cache": True}
+            match = "use_cache=False"
+        elif bad == "odd_length":
+            sp.world = 5  # as if the group had 5 ranks: 96 tokens do not split
+            match = "multiple of 5"
+        elif bad == "short":
+            kw = {"input_ids": ids[:, :2]}
+            match = "halo of 3"
+        elif bad == "unknown_column":
+            kw["token_weights"] = torch.ones(ids.shape)
+            match = "token_weights"
+        elif bad == "tuple_output":
+            kw["return_dict"] = False
+            match = "return_dict=True"
+        elif bad == "short_labels":
+            kw["labels"] = labels[:, :-1]
+            match = "labels must have the full rows"
+        elif bad == "shard_positions":
+            kw["position_ids"] = pos[:, :48]
+            match = "position_ids must cover the full rows"
+        elif bad == "bad_seq_idx":
+            kw = {"input_ids": ids, "seq_idx": torch.arange(96, 0, -1).expand(2, 96).int()}
+            match = "seq_idx decreases"
+        else:
+            seq = torch.zeros(2, 96, dtype=torch.int32)
+            seq[:, 50:] = 1  # a boundary at 50, while position_ids restart elsewhere
+            kw["seq_idx"] = seq
+            match = "disagree"
+        with pytest.raises(ValueError, match=match):
+            model(**kw)
+    finally:
+        sp.world = 1
+        sp.remove()
+
+
+def test_one_rank_equals_unsharded_and_remove_restores(group):
+    ref = safepad.wrap(tiny_model("nemotron_h"))
+    model = safepad.wrap(tiny_model("nemotron_h"))
+    impl = model.config._attn_implementation
+    ids, pos, _, labels = _batch(PACKED, ref.config.vocab_size, seed=1)
+    out_ref = ref(input_ids=ids, position_ids=pos, labels=labels)
+    sp = sequence_parallel(model)
+    assert isinstance(sp, SequenceParallel)
+    out = model(input_ids=ids, position_ids=pos, labels=labels)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    sp.remove()
+    assert model.config._attn_implementation == impl
+    again = model(input_ids=ids, position_ids=pos, labels=labels)  # plain wrapped model again
+    torch.testing.assert_close(again.loss, out_ref.loss, rtol=1e-6, atol=0)
