@@ -273,7 +273,8 @@ def check_fsdp2_accelerate(steps: int = 4) -> list[Row]:
                and "NemotronHBlock" in multi["fsdp_units"] and multi["wrapped_mixers"] == 2)  # fmt: skip
     one = [h["loss"] for h in single["log_history"] if "loss" in h]
     two = [h["loss"] for h in multi["log_history"] if "loss" in h]
-    err = max(abs(a - b) / abs(a) for a, b in zip(one, two)) if sharded and len(one) == len(two) == steps else float("inf")
+    complete = sharded and len(one) == len(two) == steps
+    err = max(abs(a - b) / abs(a) for a, b in zip(one, two)) if complete else float("inf")
     return [Row(f"fsdp2 accelerate ({nproc} proc) losses vs 1 proc", "float32", err, 5e-6)]
 
 

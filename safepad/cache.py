@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_NAMES",
+    "CachePreHook",
     "CachedStates",
+    "SafepadGenerate",
+    "cache_post_hook",
     "cache_argument",
     "cache_from_kwargs",
     "fresh_cache_is_recurrent_only",
@@ -329,7 +332,8 @@ class CachePreHook:
         # transformers turns the cache off under activation checkpointing in training (5.24 renamed the flag)
         if not getattr(module, "training", False):
             return True
-        flag = next((n for n in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(module), n)), None)
+        names = ("is_activation_checkpointing", "is_gradient_checkpointing")
+        flag = next((n for n in names if hasattr(type(module), n)), None)
         return not (flag is not None and getattr(module, flag))
 
 

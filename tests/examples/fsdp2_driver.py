@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--max-docs", type=int, default=120)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--no-wrap", action="store_true", help="train the stock model on position_ids only (state leaks across documents)"
+        "--no-wrap", action="store_true", help="train the stock model on position_ids only (state leaks over documents)"
     )
     args = p.parse_args()
 

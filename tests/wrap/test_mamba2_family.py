@@ -134,7 +134,8 @@ def test_mask_holes_with_cache_are_compacted():
         assert (step[0] - full_a[-1]).abs().max() < 1e-4
         assert (step[1] - full_b[-1]).abs().max() < 1e-4
         stock_out = stock(input_ids=ids, attention_mask=mask, use_cache=True)
-        stock_step = stock(input_ids=nxt, **{cache_argument(stock): output_cache(stock_out)}, use_cache=True).logits[:, -1]
+        stock_kw = {cache_argument(stock): output_cache(stock_out)}
+        stock_step = stock(input_ids=nxt, **stock_kw, use_cache=True).logits[:, -1]
         assert (stock_step[0] - full_a[-1]).abs().max() > 1e-3
 
 
