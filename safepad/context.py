@@ -6,9 +6,12 @@ FalconMamba), so boundaries cannot travel as arguments. A model-level forward pr
 in a :class:`contextvars.ContextVar` for the duration of the call. Mixers read it from there; a mixer
 called directly may also receive the boundaries as its own kwargs.
 
-Gradient checkpointing re-runs mixer forwards during backward, after the model call returned; each
-mixer therefore remembers the boundaries of its last forward and re-uses them only while autograd is
-running a backward pass (see :func:`resolve_seq_idx`).
+Gradient checkpointing re-runs mixer forwards during backward, after the model call returned and
+possibly after other calls (a second packed forward, an evaluation). The boundaries must travel with the
+call that produced them: ``safepad.wrap`` wraps each layer's checkpoint function so that the recompute runs
+under the :class:`CallContext` captured at that layer's forward (``safepad.wrap._CheckpointWithContext``).
+Nothing else is remembered; a mixer recomputed during backward without a context, after it has seen packed
+boundaries, raises instead of guessing (see :func:`resolve_seq_idx`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "boundaries_from_kwargs",
     "context_decode_mask",
     "current_context",
+    "no_call_context",
     "position_ids_from_seq_idx",
     "resolve_seq_idx",
 ]
@@ -97,14 +101,20 @@ def boundaries_from_kwargs(
     * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[S + 1]``: cumulative over the flattened ``[B * T]`` tokens; they
       must agree with each other, end at ``B * T``, put a boundary at every row start, and agree with ``seq_idx``
       when both are given.
-    * ``position_ids`` ``[B, T]`` restarting at 0 inside a row (TRL ``padding_free``): read as packing only when
-      no padding mask is in play and the ids are 2-D. When ``seq_idx`` / ``cu_seq_lens`` are given too, packed
-      ``position_ids`` must put their restarts at the same places.
+    * ``position_ids`` ``[B, T]`` restarting at 0 inside a row (TRL ``padding_free``), 2-D only. With a
+      ``padding_mask`` ``[B, >= T]`` (its last ``T`` columns; 1 = real token) only the real tokens count and a 0
+      at a row's first real token is no restart, so ``generate()``'s ids (pads at 1, real tokens from 0) are not
+      packing while packed sequences followed by pads are. When ``seq_idx`` / ``cu_seq_lens`` are given too,
+      packed ``position_ids`` must put their restarts at the same places (compared between real tokens).
 
     Returns ``(seq_idx or None, source)``; ``None`` when every row holds a single sequence.
     Raises ``ValueError`` naming the argument on any inconsistency.
     """
     B, T = shape
+    real = None  # [B, T - 1]: both tokens of a pair are real (where boundaries are compared)
+    if padding_mask is not None:
+        m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
+        real = m[:, 1:] & m[:, :-1]
     source = "none"
     out: Tensor | None = None
     if seq_idx is not None:
@@ -134,21 +144,36 @@ def boundaries_from_kwargs(
                 )
         from_cu = flat.view(B, T)  # [B, T]
         if out is not None:
-            if not torch.equal(_change_points(out), _change_points(from_cu.to(out.device))):
+            if not torch.equal(_change_points(out, real), _change_points(from_cu.to(out.device), real)):
                 raise ValueError(
                     "cu_seq_lens_q disagrees with seq_idx: they put sequence boundaries at different tokens; pass "
                     "boundaries from one source (the safepad collator emits consistent ones)"
                 )
         else:
             out, source = from_cu, "cu_seq_lens"
-    if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2 and padding_mask is None:
-        if position_ids.shape[0] == B and position_ids.shape[1] == T and position_ids_restart(position_ids):
-            from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+    if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2:
+        from_pos = None
+        if position_ids.shape[0] == 1 and B > 1 and position_ids.shape[1] == T:
+            position_ids = position_ids.expand(B, T)  # one row of positions broadcast over the batch
+        if position_ids.shape[0] == B and position_ids.shape[1] == T:
+            # with boundaries from seq_idx / cu_seq_lens, position_ids that do not restart at all are read too:
+            # they disagree with the boundaries (attention layers would see one sequence per row)
+            if padding_mask is None:
+                if out is not None or position_ids_restart(position_ids):
+                    from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+            else:
+                m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
+                starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
+                if out is not None or bool(starts.any()):
+                    from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]; pads take their neighbours' ids
+        if from_pos is not None:
             if out is not None:
-                if not torch.equal(_change_points(out), _change_points(from_pos.to(out.device))):
+                if not torch.equal(_change_points(out, real), _change_points(from_pos.to(out.device), real)):
                     raise ValueError(
                         f"position_ids disagree with {source}: they restart at 0 at different tokens than the "
-                        "sequence boundaries; pass position_ids that restart at each boundary, or omit them"
+                        "sequence boundaries (or nowhere), so attention layers would see other boundaries than the "
+                        "recurrent ones; pass position_ids that restart at 0 at each boundary, or omit them "
+                        "(safepad.wrap then derives them from the boundaries)"
                     )
             else:
                 out, source = from_pos, "position_ids"
@@ -157,9 +182,11 @@ def boundaries_from_kwargs(
     return out, source
 
 
-def _change_points(seq_idx: Tensor) -> Tensor:
-    """``[B, T - 1]`` bool: a new sequence starts at token t + 1."""
-    return seq_idx[:, 1:] != seq_idx[:, :-1]
+def _change_points(seq_idx: Tensor, real: Tensor | None = None) -> Tensor:
+    """``[B, T - 1]`` bool: a new sequence starts at token t + 1 (only between two real tokens when
+    ``real`` ``[B, T - 1]`` is given: where the pads' ids sit carries no meaning)."""
+    change = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return change if real is None else change & real.to(change.device)
 
 
 def position_ids_from_seq_idx(seq_idx: Tensor) -> Tensor:
@@ -187,26 +214,42 @@ def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
     return None
 
 
+def no_call_context() -> CallContext:
+    """The context a checkpoint recompute runs under when its forward had none (not a model call safepad saw):
+    it matches no shape, so a mixer reads no boundaries from it, and it tells the mixer it is no stray recompute.
+    A fresh one per forward, so that its per-call memo is freed with it."""
+    return CallContext(seq_idx=None, shape=(-1, -1), source="none")
+
+
 def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:
     """The ``seq_idx`` ``[B, T]`` a mixer must use for this call, or ``None`` (one sequence per row).
 
-    Order: boundaries passed to the mixer itself > the model call's context > (only while autograd is
-    running a backward, i.e. gradient-checkpoint recomputation) the boundaries of this mixer's last forward.
-    Boundary kwargs are popped from ``kwargs``.
+    Order: boundaries passed to the mixer itself > the model call's context (restored by the wrapped
+    checkpoint function during a gradient-checkpoint recompute). Boundary kwargs are popped from ``kwargs``.
+    A mixer that has seen packed boundaries and is re-run by autograd (a recompute) without any context
+    raises ``RuntimeError``: the boundaries of its forward are unknown, and another call's would be wrong.
     """
     direct = {k: kwargs.pop(k, None) for k in BOUNDARY_KWARGS}
     if any(direct[k] is not None for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")):
         seq_idx, _ = boundaries_from_kwargs(
-            shape, seq_idx=direct["seq_idx"], cu_seq_lens_q=direct["cu_seq_lens_q"], cu_seq_lens_k=direct["cu_seq_lens_k"]
+            shape,
+            seq_idx=direct["seq_idx"],
+            cu_seq_lens_q=direct["cu_seq_lens_q"],
+            cu_seq_lens_k=direct["cu_seq_lens_k"],
         )
-        module._safepad_last_seq_idx = seq_idx
-        return seq_idx
-    ctx = _CONTEXT.get()
-    if ctx is not None and ctx.shape == tuple(shape):
-        module._safepad_last_seq_idx = ctx.seq_idx
-        return ctx.seq_idx
-    if ctx is None and _in_backward():
-        last = getattr(module, "_safepad_last_seq_idx", None)
-        if last is not None and tuple(last.shape) == tuple(shape):
-            return last
-    return None
+    else:
+        ctx = _CONTEXT.get()
+        if ctx is None:
+            if module.__dict__.get("_safepad_saw_packed") and _in_backward():
+                raise RuntimeError(
+                    f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is being recomputed during "
+                    "backward (activation checkpointing) without the safepad call context of its forward, and it has "
+                    "seen packed boundaries: the boundaries of the forward being recomputed are unknown. Checkpoint "
+                    "through transformers (model.gradient_checkpointing_enable(), which safepad.wrap hooks), or pass "
+                    "seq_idx to the checkpointed module itself."
+                )
+            return None
+        seq_idx = ctx.seq_idx if ctx.shape == tuple(shape) else None
+    if seq_idx is not None and not module.__dict__.get("_safepad_saw_packed"):
+        module._safepad_saw_packed = True
+    return seq_idx

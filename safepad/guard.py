@@ -10,8 +10,9 @@ wrapped by :func:`safepad.wrap`, it looks at the few inputs that describe the ba
   row is then taken after the pads, so everything decoded from it is wrong. In training mode a cache that exists only
   because of the config default is thrown away by the Trainer: it is counted, not reported.
 * ``packed`` — several sequences in one row: ``seq_idx`` ``[B, T]`` with a boundary, ``cu_seq_lens_q/k``
-  ``[S + 1]`` with ``S > 1``, or 2-D ``position_ids`` ``[B, T]`` that restart at 0 inside a row (read only
-  when no padding mask is in play: ``generate()`` sets the position of a pad to 1, which is not packing).
+  ``[S + 1]`` with ``S > 1``, or 2-D ``position_ids`` ``[B, T]`` that restart at 0 inside a row (with a
+  padding mask, only at real tokens after the row's first one: ``generate()`` sets the position of a pad to 1
+  and of the first real token to 0, which is not packing; packed sequences followed by pads are).
   The recurrent state leaks from one sequence into the next.
 * ``mask_holes`` — zeros between ones in a row of a 2-D ``attention_mask``: the state decays and the conv
   window reads zeros across the hole.
@@ -401,7 +402,7 @@ class GuardHandle:
         elif values[_RESTARTS]:
             packed_by = "position_ids"
         if packed_by is not None:
-            found.append((KIND_PACKED, _packed_message(packed_by, cu, seq_idx, position_ids, info)))
+            found.append((KIND_PACKED, _packed_message(packed_by, cu, seq_idx, position_ids, info, mask)))
         if values[_HOLE_ROWS]:
             found.append((KIND_HOLES, _holes_message(mask, info)))
         if found:
@@ -497,10 +498,10 @@ def _summarize(
     """One ``[6]`` int64 vector on ``device``.
 
     Entries: real tokens of this call, right-padded rows, rows with holes, sequences (non-empty rows, or
-    packed sequences from ``n_cu`` / ``seq_idx`` / ``position_ids``), position restarts (0 while the mask has
-    pads), ``seq_idx`` changes.
+    packed sequences from ``n_cu`` / ``seq_idx`` / ``position_ids``), position restarts (with a mask: at real
+    tokens after each row's first real one), ``seq_idx`` changes.
     """
-    zero = None
+    real_after_first = None
     if mask is not None:
         m = mask != 0  # [B, Tm]; Tm = past + T during decode
         cur = m[:, -T:]  # [B, T]: the columns of this call's tokens
@@ -511,17 +512,18 @@ def _summarize(
         trailing = (~m[:, -1] & has_real).sum()
         holes = (~m & (c > 0) & (c < last)).any(1).sum()
         real_rows = has_real.sum()
-        zero = torch.zeros((), dtype=torch.int64, device=mask.device)
-        mask_has_pads = (~m).any()
+        real_after_first = cur & (c[:, -T:] > 1)  # [B, T]: a real token after the row's first real one
     else:
         tokens = torch.full((), B * T, dtype=torch.int64, device=device)  # a fill kernel: no host-to-device copy
         trailing = holes = torch.zeros((), dtype=torch.int64, device=device)
         real_rows = torch.full((), B, dtype=torch.int64, device=device)
-        mask_has_pads = None
     if position_ids is not None and T > 1:
-        restarts = (position_ids[:, 1:] == 0).sum()  # a 0 after a row's first token starts a new sequence
-        if mask_has_pads is not None:
-            restarts = torch.where(mask_has_pads, zero, restarts)  # generate(): positions from a padding mask
+        if real_after_first is None:
+            restarts = (position_ids[:, 1:] == 0).sum()  # a 0 after a row's first token starts a new sequence
+        else:
+            # only real tokens count, and not a row's first real token: generate() puts pads at 1 and the first
+            # real token at 0 (no packing), while packed sequences followed by pads restart at real tokens
+            restarts = ((position_ids == 0) & real_after_first.to(position_ids.device)).sum()
     else:
         restarts = torch.zeros((), dtype=torch.int64, device=tokens.device)
     if seq_idx is not None and T > 1:
@@ -568,6 +570,7 @@ def _packed_message(
     seq_idx: Tensor | None,
     position_ids: Tensor | None,
     info: SSMInfo | None,
+    mask: Tensor | None = None,
 ) -> str:
     if source == "seq_idx" and seq_idx is not None:
         change = seq_idx[:, 1:] != seq_idx[:, :-1]  # [B, T-1]
@@ -577,6 +580,9 @@ def _packed_message(
         where = f"row {row} holds {n_seq} sequences (seq_idx; the first boundary is at token {first})"
     elif source == "position_ids" and position_ids is not None:
         restart = position_ids[:, 1:] == 0  # [B, T-1]
+        if mask is not None:
+            m = (mask != 0)[:, -position_ids.shape[1]:]  # [B, T]
+            restart = restart & m[:, 1:] & (m.cumsum(1)[:, 1:] > 1)  # real tokens after the row's first one
         row = int(restart.any(1).nonzero()[0])
         n_seq = int(restart[row].sum()) + 1
         first = int(restart[row].nonzero()[0]) + 1

@@ -17,10 +17,17 @@ restart at 0) and hands them to the mixers through a context variable, because s
 * synthesises ``position_ids`` that restart at each boundary for hybrids, so their attention layers see
   the boundaries too (transformers detects packing from ``position_ids``);
 * builds the block-diagonal attention mask for hybrids whose mask construction ignores ``position_ids``.
+
+Gradient checkpointing: on every training call the hook makes sure each checkpointed layer's
+``_gradient_checkpointing_func`` (set by transformers' ``gradient_checkpointing_enable``, before or after
+``wrap``) is a :class:`_CheckpointWithContext`, which captures the call context at the layer's forward and
+re-enters it when autograd recomputes the layer, so a recompute never sees another call's boundaries.
 """
 
 from __future__ import annotations
 
+import contextvars
+import importlib
 import inspect
 import logging
 import sys
@@ -41,12 +48,14 @@ from .context import (
     CallContext,
     boundaries_from_kwargs,
     current_context,
+    no_call_context,
     position_ids_from_seq_idx,
     reset_context,
     set_context,
 )
 from .errors import UnsupportedModelError
-from .specs.registry import MixerSpec, spec_for_module, supported_model_types
+from .layout.masks import is_right_padded
+from .specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +104,36 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     _CLASS_CACHE[key] = cls
     setattr(sys.modules[__name__], name, cls)  # so pickle / torch.save of a wrapped model finds the class
     return cls
+
+
+def _rebuild_patched_class(orig_name: str) -> type | None:
+    """``Safepad<orig_name>`` built again from the registry (the spec naming ``orig_name``, its transformers class)."""
+    spec = next((s for s in all_specs() if orig_name in s.mixer_classes), None)
+    if spec is None:
+        return None
+    orig = None
+    try:
+        module = importlib.import_module(f"transformers.models.{spec.model_type}.modeling_{spec.model_type}")
+        orig = getattr(module, orig_name, None)
+    except ImportError:
+        pass
+    if orig is None:  # a family whose mixer lives in another model's module: look through the loaded ones
+        orig = next(
+            (getattr(m, orig_name) for n, m in list(sys.modules.items())
+             if n.startswith("transformers.models.") and isinstance(getattr(m, orig_name, None), type)),
+            None,
+        )
+    return None if orig is None else _patched_class(orig, spec)
+
+
+def __getattr__(name: str):
+    """Patched classes are generated at wrap time; in a fresh process (``pickle.load`` / ``torch.load`` of a
+    wrapped model) ``safepad.wrap.Safepad<Mixer>`` is rebuilt on first access from the family registry."""
+    if name.startswith("Safepad") and not name.startswith("Safepad_"):
+        cls = _rebuild_patched_class(name[len("Safepad") :])
+        if cls is not None:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def wrapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -156,8 +195,11 @@ def unwrap(model: nn.Module) -> nn.Module:
         orig = getattr(type(module), "_safepad_original_class", None)
         if orig is not None:
             module.__class__ = orig
-        for attr in ("_safepad_backend", "_safepad_last_seq_idx"):
+        for attr in ("_safepad_backend", "_safepad_saw_packed"):
             module.__dict__.pop(attr, None)
+        fn = module.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(fn, _CheckpointWithContext):
+            module._gradient_checkpointing_func = fn.inner
         for handle in module.__dict__.pop("_safepad_hook_handles", []):
             handle.remove()
         module.__dict__.pop("_safepad_tokens", None)
@@ -191,6 +233,8 @@ def _install_model_hooks(model: nn.Module) -> None:
             "params": tuple(params),
             "hybrid": any(s.hybrid for s in specs),
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
+            # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
+            "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
         }
         target._safepad_tokens = []
         pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
@@ -244,6 +288,8 @@ class _ModelPreHook:
                 return args, kwargs
             module._safepad_tokens.append(None)
             return None
+        if module.training:
+            _hook_checkpoint_functions(info["checkpointed"])
         if ids is None or ids.dim() < 2:
             module._safepad_tokens.append(None)
             return None
@@ -263,6 +309,16 @@ class _ModelPreHook:
             position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
             padding_mask=mask if padding else None,
         )
+        if padding and T > 1 and bool((mask[:, -1] == 0).any()) and _inside_generate():
+            row = int((mask[:, -1] == 0).nonzero()[0])
+            raise ValueError(
+                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
+                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
+                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
+                "(tokenizer.padding_side = 'left') for generate()."
+            )
+        if source == "none":
+            seq_idx, source = _boundaries_of_enclosing_call(module, (B, T), position_ids, mask if padding else None)
         kwargs.pop("seq_idx", None)
         if not info["var_kwargs"]:
             for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
@@ -270,10 +326,7 @@ class _ModelPreHook:
                     kwargs.pop(k, None)
         if seq_idx is not None:
             if padding:
-                raise ValueError(
-                    f"packed boundaries ({source}) came together with an attention_mask that has zeros: describe "
-                    "padding as its own segment of the packed row (the safepad collator does) or pad without packing"
-                )
+                seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
         decode_mask = None
         if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
@@ -305,6 +358,152 @@ class _ModelPreHook:
         if info["packed_attention_mask"] and "attention_mask" in info["params"]:
             if kwargs.get("attention_mask") is None:
                 kwargs["attention_mask"] = _packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])
+
+
+class _CheckpointWithContext:
+    """A layer's checkpoint function whose recompute runs under the context of the original forward.
+
+    transformers' ``GradientCheckpointingLayer`` calls ``self._gradient_checkpointing_func(fn, *args)``
+    during the forward; torch re-runs ``fn`` in backward (reentrant: ``CheckpointFunction.backward``;
+    non-reentrant: on unpacking a saved tensor), when the context variables hold whatever call is current
+    then (another forward's, or none). The context variables (safepad's call context, and any other, such as
+    the sequence-parallel one) are snapshot here, at the forward, and the recompute runs inside the snapshot.
+    """
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, function, *args, **kwargs):
+        return self.inner(_InContext(function, contextvars.copy_context()), *args, **kwargs)
+
+
+class _InContext:
+    """``function`` bound to the context snapshot of its forward (see :class:`_CheckpointWithContext`): the first
+    call is the forward itself (already in that context), every later one a recompute run inside the snapshot."""
+
+    __slots__ = ("calls", "context", "function")
+
+    def __init__(self, function, context: contextvars.Context):
+        self.function = function
+        self.context = context
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            return self.function(*args, **kwargs)
+        return self.context.run(_recompute, self.function, args, kwargs)
+
+
+def _recompute(function, args: tuple, kwargs: dict):
+    """Inside a forward's context snapshot: a forward that was no safepad model call recomputes as one (no
+    boundaries, and no 'recompute without context' error)."""
+    if current_context() is None:
+        set_context(no_call_context())  # changes only the snapshot
+    return function(*args, **kwargs)
+
+
+def _hook_checkpoint_functions(modules: list[nn.Module]) -> None:
+    """Wrap each module's ``_gradient_checkpointing_func`` (if any, and not already wrapped)."""
+    for m in modules:
+        fn = m.__dict__.get("_gradient_checkpointing_func")
+        if fn is not None and type(fn) is not _CheckpointWithContext:
+            m._gradient_checkpointing_func = _CheckpointWithContext(fn)
+
+
+#: code objects of ``nn.Module.__call__``'s frames: their ``args`` / ``kwargs`` locals are a module call's inputs
+_CALL_CODES = frozenset(
+    f.__code__ for f in (getattr(nn.Module, n, None) for n in ("_call_impl", "_wrapped_call_impl")) if f is not None
+)
+_BOUNDARY_INPUTS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
+_MAX_FRAMES = 16
+
+
+def _boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], position_ids, padding_mask):
+    """Boundaries that the nearest enclosing module call received but did not hand to this wrapped model.
+
+    ``safepad.wrap(model.backbone)`` hooks only the backbone; ``MambaForCausalLM.forward`` takes ``seq_idx``
+    (``**kwargs``) and calls the backbone without it. No hook of the outer model exists to see them, so this
+    looks one module call up the Python stack (the ``kwargs`` of its ``nn.Module.__call__`` frame). Found
+    boundaries are used when they fit this call's ``[B, T]`` (the outer model passes the same tokens down), and
+    raise when they do not: the outer call was packed, and this one cannot know how. Returns
+    ``(seq_idx | None, source)``.
+    """
+    frame = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None, "none"
+        if frame.f_code in _CALL_CODES:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and owner is not module:
+                break
+        frame = frame.f_back
+    else:
+        return None, "none"
+    outer_kwargs = frame.f_locals.get("kwargs") or {}
+    found = {k: outer_kwargs.get(k) for k in _BOUNDARY_INPUTS if isinstance(outer_kwargs.get(k), torch.Tensor)}
+    if not found or set(found) == {"position_ids"} and not _restarts(found["position_ids"]):
+        return None, "none"
+    name = type(owner).__name__
+    try:
+        seq_idx, source = boundaries_from_kwargs(
+            shape,
+            seq_idx=found.get("seq_idx"),
+            cu_seq_lens_q=found.get("cu_seq_lens_q"),
+            cu_seq_lens_k=found.get("cu_seq_lens_k"),
+            position_ids=position_ids if isinstance(position_ids, torch.Tensor) else found.get("position_ids"),
+            padding_mask=padding_mask,
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"{name} was called with packed boundaries ({', '.join(found)}) but called the safepad-wrapped "
+            f"{type(module).__name__} without them, and they do not fit its input of [batch, seqlen] = "
+            f"{list(shape)} ({err}). Call safepad.wrap on the outermost model ({name}), or pass the boundaries to "
+            f"the wrapped {type(module).__name__} yourself."
+        ) from err
+    if seq_idx is not None:
+        logger.debug("safepad: %s dropped %s before the wrapped %s; using them", name, source, type(module).__name__)
+        source = f"{source} of the enclosing {name} call"
+    return seq_idx, source
+
+
+def _inside_generate() -> bool:
+    """Is this model call made by transformers' ``generate()`` (a ``generate`` frame of ``transformers.generation``
+    a few frames up the stack)?"""
+    frame = sys._getframe(2)
+    for _ in range(_MAX_FRAMES * 2):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "generate" and str(frame.f_globals.get("__name__", "")).startswith(
+            "transformers.generation"
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    return position_ids.dim() == 2 and position_ids.shape[-1] > 1 and bool((position_ids[:, 1:] == 0).any())
+
+
+def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source: str) -> torch.Tensor:
+    """Packed rows followed by padding: the pads (``mask`` ``[B, T]`` False) become a segment of their own.
+
+    Trailing pads come after every real token of their row, so in a causal model they can change no real
+    token's output; as their own segment they also start from a fresh state. The attention mask is then
+    dropped (packed calls carry their boundaries in ``seq_idx`` / ``position_ids``). Pads before or between
+    the packed sequences of a row have no such reading: raise.
+    """
+    if not is_right_padded(mask):
+        row = int((mask[:, 1:] & ~mask[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(
+            f"packed boundaries ({source}) came together with an attention_mask whose row {row} has padding before "
+            "or between real tokens; packed rows may only end in padding. Put the pads at the end of each row (the "
+            "safepad collator packs without any), or pad one sequence per row without packing boundaries."
+        )
+    return torch.where(mask, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
 
 
 def _post_hook(module: nn.Module, args, output):

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from safepad.errors import PaddingError, PaddingWarning
+from safepad.testing.tiny import tiny_model
 from safepad.guard import (
     KIND_HOLES,
     KIND_PACKED,
@@ -477,3 +478,41 @@ def test_recurrent_cache_layers_reveal_an_undetected_ssm():
         opaque(ids, mask, past_key_values=DynamicCache())  # attention-only cache: nothing to report
         with pytest.raises(PaddingError, match="opaque"):
             opaque(ids, mask, past_key_values=cache)
+
+
+# --- issue 17: packed position_ids followed by trailing pads ([A(6), B(9), 3 pads], mask 15 ones + 3 zeros)
+
+
+def _packed_then_pads():
+    ids = torch.randint(3, 250, (1, 18), generator=torch.Generator().manual_seed(11))
+    pos = torch.cat([torch.arange(6), torch.arange(9), torch.zeros(3, dtype=torch.long)])[None]  # [1, 18]
+    mask = torch.cat([torch.ones(15, dtype=torch.long), torch.zeros(3, dtype=torch.long)])[None]  # [1, 18]
+    return ids, pos, mask
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "mamba2"])
+def test_guard_error_mode_catches_packed_position_ids_with_trailing_pads(family):
+    stock = tiny_model(family)
+    ids, pos, mask = _packed_then_pads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stock(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)  # stock: silent
+    with guard(stock, mode="error"), pytest.raises(PaddingError, match="packed"):
+        stock(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+
+
+def test_guard_stays_silent_on_generate_style_left_padding():
+    stock = tiny_nemotron_h()
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with guard(stock, mode="error"):
+        stock(input_ids=torch.randint(3, 200, (2, 5)), attention_mask=mask, position_ids=pos, use_cache=False)
+
+
+def test_guard_reports_right_padded_generate_on_the_stock_model():
+    """generate() on a right-padded batch: the guard (error mode) stops it on the stock model."""
+    stock = tiny_model("nemotron_h")
+    ids = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    with guard(stock, mode="error"), pytest.raises(PaddingError, match="padding token"):
+        stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)

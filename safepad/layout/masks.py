@@ -103,6 +103,6 @@ class Compaction:
 
     def scatter(self, y: Tensor) -> Tensor:
         """``y`` ``[B, T, ...]`` in the compacted layout -> original layout; pad positions get zeros."""
-        y = y * self.mask.view(*self.mask.shape, *([1] * (y.dim() - 2))).to(y.dtype)
+        y = torch.where(self.mask.view(*self.mask.shape, *([1] * (y.dim() - 2))), y, 0.0)  # (even a NaN)
         idx = self.index.view(*self.index.shape, *([1] * (y.dim() - 2))).expand_as(y)  # [B, T, ...]
         return torch.zeros_like(y).scatter(1, idx, y)

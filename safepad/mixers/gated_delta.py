@@ -120,7 +120,7 @@ def gated_delta_mixer_forward(
     Dv = getattr(self, opts.get("value_head_dim", "head_v_dim"))
 
     if mask is not None:
-        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+        hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     mixed, z, b, a = _project_qkv(self, opts, hidden_states)  # [B, T, conv_dim]
     conv_dim = mixed.shape[-1]
     key_dim = getattr(self, opts.get("key_dim", "key_dim"))  # H_k * Dk
@@ -181,7 +181,7 @@ def gated_delta_mixer_forward(
         if want_state:
             write_states(cache, self.layer_idx, conv=conv_final, recurrent=rec_final)
         if mask is not None:
-            o = o * mask[:, :, None, None].to(o.dtype)  # pad outputs are unspecified by the op: make them 0
+            o = torch.where(mask[:, :, None, None], o, 0.0)  # pad outputs are unspecified by the op: make them 0
 
     gate = _output_gate(self, opts, hidden_states, z)
     Tq = o.shape[1]

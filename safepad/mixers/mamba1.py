@@ -86,7 +86,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     I = self.intermediate_size  # intermediate size
 
     if mask is not None:
-        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+        hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     projected = self.in_proj(hidden_states)  # [B, T, 2I]
     x, gate = projected.split([I, I], dim=-1)  # [B, T, I], [B, T, I]
 

@@ -38,7 +38,7 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     conv_dim = self.conv_dim
 
     if mask is not None:
-        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+        hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     if opts.get("in_multiplier"):
         hidden_states = hidden_states * getattr(self, opts["in_multiplier"])
     projected = self.in_proj(hidden_states)  # [B, T, I + conv_dim + H]

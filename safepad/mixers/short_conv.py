@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import Tensor
 
 from ..cache import read_states, write_states
@@ -42,7 +43,7 @@ def short_conv_mixer_forward(
     conv = getattr(self, opts.get("conv", "conv"))
 
     if mask is not None:
-        hidden_states = hidden_states * mask[..., None].to(dtype)  # pads contribute nothing
+        hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     bcx = getattr(self, opts.get("in_proj", "in_proj"))(hidden_states)  # [B, T, 3 * D]
     b, c, x = bcx.chunk(3, dim=-1)  # [B, T, D] each
     u = b * x  # [B, T, D] conv input

@@ -152,7 +152,7 @@ class _CausalConv(torch.autograd.Function):
     autograd differentiate the shifted sums (one fresh full-size tensor per term, each streamed from memory).
 
     x ``[B, T, D]`` (any strides); weight ``[D, K]``; bias ``[D]`` | None; head ``[B, K-1, D]`` the inputs
-    before the first token (zeros or the cached state); same ``[K-1, B, T, 1]`` | None: 1 where the input
+    before the first token (zeros or the cached state); same ``[K-1, B, T, 1]`` bool | None: True where the input
     ``K-1-k`` tokens back belongs to the same sequence. Returns ``[B, T, D]``.
     """
 
@@ -174,6 +174,7 @@ class _CausalConv(torch.autograd.Function):
         pre = x.new_empty(Bsz, T, D)  # [B, T, D] before the activation
         out = x.new_empty(Bsz, T, D) if silu else pre
         buf = x.new_empty(Bsz, min(tb, T), D) if same is not None else None
+        zero = x.new_zeros(())
         for t0 in range(0, T, tb):
             t1 = min(t0 + tb, T)
             n = t1 - t0
@@ -186,7 +187,8 @@ class _CausalConv(torch.autograd.Function):
             for k in range(K - 1):  # p[t] += w[:, k] * x[t - (K-1-k)]
                 src = xb[:, k : k + n]  # [B, n, D]
                 if same is not None:
-                    src = torch.mul(src, same[k][:, t0:t1], out=buf[:, :n])  # same sequence only
+                    src = torch.where(same[k][:, t0:t1], src, zero, out=buf[:, :n])  # same sequence only (a NaN
+                    # across the boundary is dropped, not multiplied by zero)
                 p.addcmul_(src, weight[:, k])
             if silu:
                 torch.mul(p, torch.sigmoid(p), out=out[:, t0:t1])
@@ -209,6 +211,7 @@ class _CausalConv(torch.autograd.Function):
         g_b = x.new_zeros(D)
         gp_ws, buf_ws = x.new_empty(Bsz, m, D), x.new_empty(Bsz, m, D)
         gm_ws = x.new_empty(Bsz, m, D) if same is not None else None
+        zero = x.new_zeros(())
         for t0 in range(0, T, tb):
             t1 = min(t0 + tb, T)
             n = t1 - t0
@@ -227,7 +230,7 @@ class _CausalConv(torch.autograd.Function):
                 g_w[K - 1] += torch.mul(gp, xb[:, K - 1 :], out=buf_ws[:, :n]).sum((0, 1))
             for k in range(K - 1):
                 s = K - 1 - k  # this tap reads the input s tokens back
-                gk = gp if same is None else torch.mul(gp, same[k][:, t0:t1], out=gm_ws[:, :n])
+                gk = gp if same is None else torch.where(same[k][:, t0:t1], gp, zero, out=gm_ws[:, :n])
                 if g_xp is not None:
                     g_xp[:, o - s : o - s + n].addcmul_(gk, weight[:, k])  # rows of this or the previous block
                 if need_w:
@@ -255,7 +258,7 @@ def _conv_torch(
     if seq_idx is not None and K > 1:
         seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
         same = torch.stack([seqp[:, k : k + T] == seq_idx for k in range(K - 1)])  # [K-1, B, T]
-        same = same.unsqueeze(-1).to(x.dtype)  # [K-1, B, T, 1]
+        same = same.unsqueeze(-1)  # [K-1, B, T, 1] bool (selection, not a multiply)
     return _CausalConv.apply(x, weight, bias, head, same, activation in ("silu", "swish"))
 
 
@@ -325,7 +328,7 @@ def causal_conv1d(
     ct = _compute_dtype(x.dtype, weight.dtype)
     xc = x.to(ct)
     if mask is not None:
-        xc = xc * mask.unsqueeze(-1).to(ct)  # [B, T, D]
+        xc = torch.where(mask.unsqueeze(-1), xc, 0.0)  # [B, T, D] (a NaN at a masked token is dropped)
     init_tail = None
     if initial_state is not None and K > 1:
         init_tail = initial_state[:, :, initial_state.shape[2] - (K - 1) :].to(ct)  # [B, D, K-1]
@@ -335,7 +338,7 @@ def causal_conv1d(
     if kernel_ok and kernels.use_kernels(x, weight, need=("causal_conv1d_fn",), backend=backend):
         x_k = x.transpose(1, 2)  # [B, D, T] channel-last view (stride(1) == 1)
         if mask is not None:
-            x_k = (x * mask.unsqueeze(-1).to(x.dtype)).transpose(1, 2)
+            x_k = torch.where(mask.unsqueeze(-1), x, 0.0).transpose(1, 2)
         init_k = None
         if init_tail is not None:
             init_k = initial_state[:, :, initial_state.shape[2] - (K - 1) :].to(x.dtype)

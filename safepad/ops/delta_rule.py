@@ -37,6 +37,7 @@ from torch import Tensor
 from ..layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 from . import kernels
 from .amp import fp32_core
+from .finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
 
@@ -327,6 +328,10 @@ def _torch_chunk(
         v = torch.where(m[:, :, None, None], v, 0.0)  # [B, T, H, Dv]
         beta = torch.where(m[:, :, None], beta, 0.0)  # [B, T, H]
         g = torch.where(m[:, :, None, None] if per_channel else m[:, :, None], g, 0.0)
+    poisoned = None
+    if seq_idx is not None:
+        # the zero cross-sequence weights of the chunk matmuls would carry a NaN of one sequence into the next
+        (q, k, v, g, beta), initial_state, poisoned = isolate_nonfinite(seq_idx, [q, k, v, g, beta], initial_state)
 
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)  # [B, T, H_k, Dk]
@@ -421,6 +426,13 @@ def _torch_chunk(
             varlen = s.clone()  # one sequence per row: [B, H, Dk, Dv], not aliasing final_state
         else:
             varlen = _sequence_end_states(seq_idx, t, c, gcum, kc, vns, hs, carry, pair)
+    if poisoned is not None:  # NaN back where its own sequence has it, and nowhere else
+        o = poison(o, poisoned)
+        s = poison_rows(s, poisoned[:, -1])
+        if varlen is not None:
+            ends = torch.ones_like(poisoned)  # [B, T]: last token of a sequence
+            ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
+            varlen = poison_rows(varlen, poisoned[ends])
     return o, s, varlen
 
 

@@ -37,6 +37,7 @@ from safepad.layout.boundaries import validate_seq_idx
 from safepad.ops import kernels
 from safepad.ops.amp import fp32_core
 from safepad.ops.dt import process_dt
+from safepad.ops.finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
 
@@ -318,10 +319,18 @@ def selective_scan(
     cdt = _compute_dtype(u)
     dt = process_dt(delta, delta_bias, _NO_LIMIT, delta_softplus).to(cdt)  # [B, T, Dm]
     uc = u.to(cdt)  # [B, T, Dm]
+    Bc, Cc = B.to(cdt), C.to(cdt)  # [B, T, N]
     if token_mask is not None:
         keep = token_mask.unsqueeze(-1)  # [B, T, 1]
         dt = torch.where(keep, dt, 0.0)
         uc = torch.where(keep, uc, 0.0)
+        Bc = torch.where(keep, Bc, 0.0)  # 0 * nan is nan: a masked token's B must not reach the state either
+    h0 = initial_state.to(cdt) if initial_state is not None else None
+    poisoned = None
+    if multi_seq:
+        # the zero decay at a reset would carry a NaN of one sequence into the next (0 * nan)
+        # (z only gates its own token: a NaN there stays where it is without help)
+        (uc, dt, Bc, Cc), h0, poisoned = isolate_nonfinite(seq_idx, [uc, dt, Bc, Cc], h0)
     resets = None
     if multi_seq:
         starts = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: first token of a sequence
@@ -334,10 +343,13 @@ def selective_scan(
         if return_varlen_states and seq_idx is not None and T > 1:
             ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
         taps = ends.nonzero(as_tuple=True)  # row-major order of appearance
-    h0 = initial_state.to(cdt) if initial_state is not None else None
 
-    y, states = _SelectiveScanFn.apply(uc, dt, A.to(cdt), B.to(cdt), C.to(cdt), h0, resets, taps)
+    y, states = _SelectiveScanFn.apply(uc, dt, A.to(cdt), Bc, Cc, h0, resets, taps)
     y = _gate(y, uc, D, z).to(u.dtype)
+    if poisoned is not None:
+        y = poison(y, poisoned)  # NaN back where its own sequence has it (and nowhere else)
+        if taps is not None:
+            states = poison_rows(states, poisoned[taps])
     if not (return_final_state or return_varlen_states):
         return y
     out = [y]

@@ -31,6 +31,7 @@ from . import kernels
 from .amp import fp32_core
 from .conv import check_backend
 from .dt import process_dt, validate_dt_limit
+from .finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
 
@@ -615,12 +616,18 @@ def ssd_scan(
 
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     dtp = process_dt(dt, dt_bias, dt_limit, dt_softplus).to(ct)  # [B, T, H]
-    xk, Bk = x, B
-    if mask is not None:
-        m = mask.to(ct)
-        dtp = dtp * m.unsqueeze(-1)  # [B, T, H]: masked tokens are the identity
-        xk = x * m[:, :, None, None].to(x.dtype)  # [B, T, H, P]
-        Bk = B * m[:, :, None, None].to(B.dtype)  # [B, T, G, N]
+    xk, Bk, Ck = x, B, C
+    if mask is not None:  # selection, not a multiply: a NaN / inf at a masked token must not survive
+        m3 = mask[:, :, None]  # [B, T, 1]
+        dtp = torch.where(m3, dtp, 0.0)  # [B, T, H]: masked tokens are the identity
+        xk = torch.where(m3[..., None], x, 0.0)  # [B, T, H, P]
+        Bk = torch.where(m3[..., None], B, 0.0)  # [B, T, G, N]
+        Ck = torch.where(m3[..., None], C, 0.0) if seq_idx is not None else C  # (only read by its own token)
+    poisoned = None
+    init = initial_state
+    if seq_idx is not None:
+        # the zero cross-sequence weights of the chunked scan would carry a NaN of one sequence into the next
+        (xk, dtp, Bk, Ck), init, poisoned = isolate_nonfinite(seq_idx, [xk, dtp, Bk, Ck], initial_state)
 
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, dt, A, B, C, D, dt_bias, initial_state)
@@ -636,7 +643,8 @@ def ssd_scan(
         and ct == torch.float32
         and kernels.use_kernels(x, dt, A, B, C, need=("mamba_chunk_scan_combined",), backend=backend)
     ):
-        return _ssd_kernel(xk, dtp, A, Bk, C, chunk_size, D, seq_idx, initial_state, return_final_state, return_varlen_states)
+        res = _ssd_kernel(xk, dtp, A, Bk, Ck, chunk_size, D, seq_idx, init, return_final_state, return_varlen_states)
+        return res if poisoned is None else _poison_outputs(res, poisoned, seq_idx, return_final_state, return_varlen_states)
     if return_varlen_states and x.is_cuda and backend == "auto" and kernels.mamba_chunk_scan_combined is not None:
         logger.debug("ssd_scan: varlen states need batch 1 and no grad on the kernel; using the torch core")
 
@@ -645,10 +653,10 @@ def ssd_scan(
         dtp,
         A.to(ct),
         Bk.to(ct),
-        C.to(ct),
+        Ck.to(ct),
         None if D is None else D.to(ct),
         seq_idx,
-        None if initial_state is None else initial_state.to(ct),
+        None if init is None else init.to(ct),
         min(chunk_size, T),  # a row shorter than a chunk is one chunk of its own length, not padded to chunk_size
         return_varlen_states,
     )
@@ -657,7 +665,25 @@ def ssd_scan(
         out.append(final)
     if return_varlen_states:
         out.append(varlen)
-    return out[0] if len(out) == 1 else tuple(out)
+    res = out[0] if len(out) == 1 else tuple(out)
+    return res if poisoned is None else _poison_outputs(res, poisoned, seq_idx, return_final_state, return_varlen_states)
+
+
+def _poison_outputs(res, poisoned: Tensor, seq_idx: Tensor, want_final: bool, want_varlen: bool):
+    """NaN back at the outputs (and states) that a non-finite input reaches in its own sequence."""
+    if not (want_final or want_varlen):
+        return poison(res, poisoned)
+    out = list(res)
+    out[0] = poison(out[0], poisoned)
+    i = 1
+    if want_final:
+        out[i] = poison_rows(out[i], poisoned[:, -1])  # [B, H, P, N]: state after each row's last token
+        i += 1
+    if want_varlen:
+        ends = torch.ones_like(poisoned)  # [B, T]: last token of a sequence
+        ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        out[i] = poison_rows(out[i], poisoned[ends])  # [S, H, P, N], row-major order of appearance
+    return tuple(out)
 
 
 def _ssd_kernel(

@@ -101,7 +101,7 @@ def test_packed_training_with_config_default_use_cache_builds_no_cache():
         pytest.param(dict(seq_idx=torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]], dtype=torch.int32),
                           position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])), "position_ids disagree", id="pos-vs-seq_idx"),
         pytest.param(dict(seq_idx=torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]], dtype=torch.int32),
-                          attention_mask=torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])), "attention_mask that has zeros", id="packed+padding"),
+                          attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])), "may only end in padding", id="packed+hole"),
     ],
 )
 def test_inputs_that_cannot_be_made_correct_raise(kwargs, match):
