@@ -249,6 +249,18 @@ def _tracking_class(base: type) -> type:
     return cls
 
 
+def __getattr__(name: str):
+    """``SafepadLength<Cache>`` classes are generated on first use; in a fresh process (``pickle.load`` of a
+    tracked cache or of a model output holding one) they are rebuilt from ``transformers.cache_utils``."""
+    if name.startswith("SafepadLength"):
+        from transformers import cache_utils
+
+        base = getattr(cache_utils, name[len("SafepadLength") :], None)
+        if isinstance(base, type):
+            return _tracking_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _holds_states(cache: Any) -> bool:
     for layer in getattr(cache, "layers", ()):
         if any(getattr(layer, "has_previous_state", {}).values()):

@@ -120,3 +120,19 @@ def test_tracked_cache_counts_and_a_prefilled_one_says_why_it_cannot():
         track_seq_length(filled).get_seq_length()
     hybrid = DynamicCache(config=tiny_model("nemotron_h").config)
     assert track_seq_length(hybrid).__class__ is DynamicCache  # attention caches are left alone
+
+
+def test_a_tracked_cache_unpickles_in_a_fresh_process(tmp_path):
+    """The generated class is rebuilt on import (a pickled model output or cache in another process)."""
+    import pickle
+    import subprocess
+    import sys
+
+    config = tiny_model("nemotron_h", layers_block_type=PURE).config
+    cache = new_tracked_cache(config)
+    cache.__dict__["_safepad_seen_tokens"] = 7
+    path = tmp_path / "cache.pkl"
+    path.write_bytes(pickle.dumps(cache))
+    code = f"import pickle; c = pickle.loads(open({str(path)!r}, 'rb').read()); print(type(c).__name__, c.get_seq_length())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["SafepadLengthDynamicCache", "7"]
