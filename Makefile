@@ -64,6 +64,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_collator.py
 	$(BIN)/python benchmarks/bench_guard.py
 	$(BIN)/python benchmarks/bench_train.py
+	$(BIN)/python benchmarks/bench_compile.py
 	$(BIN)/python benchmarks/bench_sequence_parallel.py
 
 clean:

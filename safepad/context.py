@@ -12,6 +12,13 @@ call that produced them: ``safepad.wrap`` wraps each layer's checkpoint function
 under the :class:`CallContext` captured at that layer's forward (``safepad.wrap._CheckpointWithContext``).
 Nothing else is remembered; a mixer recomputed during backward without a context, after it has seen packed
 boundaries, raises instead of guessing (see :func:`resolve_seq_idx`).
+
+Under ``torch.compile`` the context also lives in a plain module-level stack that dynamo can trace (it
+cannot trace ``ContextVar``): the model hooks push onto it (:func:`enter_call`) whether they run traced
+(``torch.compile(model)``) or eagerly around a compiled ``forward`` (``model.forward =
+torch.compile(model.forward)``), and traced code reads it from there. Boundaries are then derived and
+validated on the device (see :mod:`safepad._tracing`); that stack is process-wide, so compiled calls of
+wrapped models must not run concurrently in several threads.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ._tracing import device_check, tracing
 from .layout.boundaries import (
     position_ids_restart,
     seq_idx_from_cu_seqlens,
@@ -36,6 +44,9 @@ __all__ = [
     "boundaries_from_kwargs",
     "context_decode_mask",
     "current_context",
+    "enter_call",
+    "exit_call",
+    "multi_sequence",
     "no_call_context",
     "position_ids_from_seq_idx",
     "resolve_seq_idx",
@@ -67,10 +78,16 @@ class CallContext:
 
 
 _CONTEXT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("safepad_call_context", default=None)
+#: the same contexts as a stack that dynamo can trace (innermost call last); read only by traced code
+_TRACED: list[CallContext | None] = []
+#: the token :func:`set_context` returns while tracing (no ContextVar is touched then)
+_TRACED_TOKEN = "traced"
 
 
 def current_context() -> CallContext | None:
     """The context of the model call in progress, if any."""
+    if tracing():
+        return _TRACED[-1] if _TRACED else None
     return _CONTEXT.get()
 
 
@@ -80,6 +97,29 @@ def set_context(ctx: CallContext | None) -> contextvars.Token:
 
 def reset_context(token: contextvars.Token) -> None:
     _CONTEXT.reset(token)
+
+
+def enter_call(ctx: CallContext | None) -> contextvars.Token | str:
+    """A model call begins: ``ctx`` becomes the current context (the ContextVar, and the traced stack)."""
+    _TRACED.append(ctx)
+    if tracing():
+        return _TRACED_TOKEN
+    return _CONTEXT.set(ctx)
+
+
+def exit_call(token: contextvars.Token | str) -> None:
+    """The model call of :func:`enter_call`'s ``token`` ends."""
+    if _TRACED:
+        _TRACED.pop()
+    if token is not _TRACED_TOKEN:
+        _CONTEXT.reset(token)
+
+
+def multi_sequence(seq_idx: Tensor) -> Tensor:
+    """``[]`` bool on the device: some row of ``seq_idx`` ``[B, T]`` holds more than one sequence."""
+    if seq_idx.shape[1] < 2:
+        return torch.zeros((), dtype=torch.bool, device=seq_idx.device)
+    return (seq_idx[:, -1] != seq_idx[:, 0]).any()
 
 
 def _multi_sequence(seq_idx: Tensor) -> bool:
@@ -109,7 +149,13 @@ def boundaries_from_kwargs(
 
     Returns ``(seq_idx or None, source)``; ``None`` when every row holds a single sequence.
     Raises ``ValueError`` naming the argument on any inconsistency.
+
+    While tracing (``torch.compile``) nothing is read on the host: the result is ``seq_idx`` whenever
+    boundaries are given (a row of one sequence runs the varlen path with the same result), and every
+    check above runs on the device (a ``RuntimeError`` with the same message).
     """
+    if tracing():
+        return _boundaries_traced(shape, seq_idx, cu_seq_lens_q, cu_seq_lens_k, position_ids, padding_mask)
     B, T = shape
     real = None  # [B, T - 1]: both tokens of a pair are real (where boundaries are compared)
     if padding_mask is not None:
@@ -182,6 +228,80 @@ def boundaries_from_kwargs(
     return out, source
 
 
+def _boundaries_traced(
+    shape: tuple[int, int],
+    seq_idx: Tensor | None,
+    cu_seq_lens_q: Tensor | None,
+    cu_seq_lens_k: Tensor | None,
+    position_ids: Tensor | None,
+    padding_mask: Tensor | None,
+) -> tuple[Tensor | None, str]:
+    """:func:`boundaries_from_kwargs` without host syncs (checks on the device). Given boundaries are returned
+    even when every row holds one sequence (the varlen path gives the same result)."""
+    B, T = shape
+    real = None  # [B, T - 1]: both tokens of a pair are real (where boundaries are compared)
+    if padding_mask is not None:
+        m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
+        real = m[:, 1:] & m[:, :-1]
+    source = "none"
+    out: Tensor | None = None
+    if seq_idx is not None:
+        out = validate_seq_idx(seq_idx, (B, T))
+        source = "seq_idx"
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+            q = validate_cu_seqlens(cu_seq_lens_q, B * T, "cu_seq_lens_q")
+            k = validate_cu_seqlens(cu_seq_lens_k, B * T, "cu_seq_lens_k")
+            differ = (
+                "cu_seq_lens_q and cu_seq_lens_k differ: a recurrent layer has one set of boundaries, so pass "
+                "the same cumulative lengths for both (self-attention over packed rows)"
+            )
+            if q.shape != k.shape:
+                raise ValueError(differ)
+            device_check((q == k.to(q.device)).all(), differ)
+            cu = q
+        else:
+            name = "cu_seq_lens_q" if cu_seq_lens_q is not None else "cu_seq_lens_k"
+            cu = validate_cu_seqlens(cu_seq_lens_q if cu_seq_lens_q is not None else cu_seq_lens_k, B * T, name)
+        from_cu = seq_idx_from_cu_seqlens(cu, B * T, "cu_seq_lens_q").view(B, T)  # [B, T]
+        if B > 1:
+            starts = torch.arange(B, device=cu.device) * T  # [B]
+            device_check(
+                torch.isin(starts.to(cu.dtype), cu).all(),
+                "cu_seq_lens_q describes a sequence that crosses from one row into the next: with batch > 1 "
+                "every row start must be a boundary (or flatten the batch to [1, total])",
+            )
+        if out is not None:
+            device_check(
+                (_change_points(out, real) == _change_points(from_cu.to(out.device), real)).all(),
+                "cu_seq_lens_q disagrees with seq_idx: they put sequence boundaries at different tokens; pass "
+                "boundaries from one source (the safepad collator emits consistent ones)",
+            )
+        else:
+            out, source = from_cu, "cu_seq_lens"
+    if isinstance(position_ids, Tensor) and position_ids.dim() == 2:
+        if position_ids.shape[0] == 1 and B > 1 and position_ids.shape[1] == T:
+            position_ids = position_ids.expand(B, T)  # one row of positions broadcast over the batch
+        if position_ids.shape[0] == B and position_ids.shape[1] == T and (out is not None or T > 1):
+            if padding_mask is None:
+                from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+            else:
+                m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
+                starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
+                from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]
+            if out is not None:
+                device_check(
+                    (_change_points(out, real) == _change_points(from_pos.to(out.device), real)).all(),
+                    f"position_ids disagree with {source}: they restart at 0 at different tokens than the "
+                    "sequence boundaries (or nowhere), so attention layers would see other boundaries than the "
+                    "recurrent ones; pass position_ids that restart at 0 at each boundary, or omit them "
+                    "(safepad.wrap then derives them from the boundaries)",
+                )
+            else:
+                out, source = from_pos, "position_ids"
+    return out, source
+
+
 def _change_points(seq_idx: Tensor, real: Tensor | None = None) -> Tensor:
     """``[B, T - 1]`` bool: a new sequence starts at token t + 1 (only between two real tokens when
     ``real`` ``[B, T - 1]`` is given: where the pads' ids sit carries no meaning)."""
@@ -208,7 +328,7 @@ def _in_backward() -> bool:
 
 def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
     """The model call's ``[B, 1]`` mask of a one-token step, when it marks some new tokens as padding."""
-    ctx = _CONTEXT.get()
+    ctx = current_context()
     if ctx is not None and ctx.decode_mask is not None and ctx.shape == tuple(shape):
         return ctx.decode_mask
     return None
@@ -238,9 +358,9 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
             cu_seq_lens_k=direct["cu_seq_lens_k"],
         )
     else:
-        ctx = _CONTEXT.get()
+        ctx = current_context()
         if ctx is None:
-            if module.__dict__.get("_safepad_saw_packed") and _in_backward():
+            if not tracing() and module.__dict__.get("_safepad_saw_packed") and _in_backward():
                 raise RuntimeError(
                     f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is being recomputed during "
                     "backward (activation checkpointing) without the safepad call context of its forward, and it has "
@@ -250,6 +370,6 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
                 )
             return None
         seq_idx = ctx.seq_idx if ctx.shape == tuple(shape) else None
-    if seq_idx is not None and not module.__dict__.get("_safepad_saw_packed"):
+    if seq_idx is not None and not tracing() and not module.__dict__.get("_safepad_saw_packed"):
         module._safepad_saw_packed = True
     return seq_idx

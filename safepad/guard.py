@@ -138,7 +138,9 @@ def find_ssm_layers(model: nn.Module) -> SSMInfo | None:
 
     Works for families safepad does not support: any module whose class name contains
     Mamba / GatedDeltaNet / ShortConv / Mixer / ... and which owns a ``Conv1d``, or any linear-attention
-    class, counts. Returns ``None`` for a model without recurrent layers.
+    class, counts; failing that, any module whose class reads or writes conv / recurrent cache state (or keeps
+    it as an attribute), then any layer type transformers caches in a recurrent cache layer
+    (:mod:`safepad.specs.discovery`). Returns ``None`` for a model without recurrent layers.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")  # noqa: TRY004
@@ -148,8 +150,24 @@ def find_ssm_layers(model: nn.Module) -> SSMInfo | None:
     for module in _mixer_modules(model):
         cls = getattr(type(module), "_safepad_original_class", None) or type(module)
         classes[cls.__name__] = classes.get(cls.__name__, 0) + 1
+    if not classes:
+        # any other module whose class keeps conv / recurrent state (the discovery's class rule)
+        from .specs.discovery import class_keeps_state
+
+        for module in model.modules():
+            cls = getattr(type(module), "_safepad_original_class", None) or type(module)
+            if not cls.__module__.startswith("torch.") and class_keeps_state(cls):
+                classes[cls.__name__] = classes.get(cls.__name__, 0) + 1
     if classes:
         return SSMInfo(model_type, tuple(sorted(classes)), sum(classes.values()))
+    if config is not None:
+        # layer types that transformers itself caches in a recurrent (conv / linear-attention) cache layer
+        from .specs.discovery import recurrent_cache_layer_types
+
+        recurrent_types = recurrent_cache_layer_types(config)
+        if recurrent_types:
+            n = sum(1 for t in getattr(config, "layer_types", None) or () if t in recurrent_types)
+            return SSMInfo(model_type, (), n)
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, (list, tuple)):
         n = sum(1 for t in layer_types if isinstance(t, str) and t.lower() in _SSM_LAYER_TYPES)

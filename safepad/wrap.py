@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
+from ._tracing import device_check, tracing
 from .cache import (
     CACHE_NAMES,
     CachePreHook,
@@ -48,6 +49,9 @@ from .context import (
     CallContext,
     boundaries_from_kwargs,
     current_context,
+    enter_call,
+    exit_call,
+    multi_sequence,
     no_call_context,
     position_ids_from_seq_idx,
     reset_context,
@@ -55,7 +59,9 @@ from .context import (
 )
 from .errors import UnsupportedModelError
 from .layout.masks import is_right_padded
+from .mixers.common import probe_gated_norm
 from .specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
+from .specs.unsupported import unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +157,23 @@ def _model_type(model: nn.Module) -> str:
     return getattr(cfg, "model_type", type(model).__name__)
 
 
+def _unsupported_reason(model: nn.Module) -> str:
+    """``": <reason>"`` when the model (or its text model) is a listed unsupported recurrent family, else ``""``."""
+    cfg = getattr(model, "config", None)
+    types = [getattr(cfg, "model_type", None)]
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        try:
+            types.append(getattr(get_text(decoder=True), "model_type", None))
+        except (TypeError, ValueError):
+            pass
+    for mt in types:
+        reason = unsupported_reason(mt) if isinstance(mt, str) else None
+        if reason is not None:
+            return f": {mt} is a recurrent family safepad does not support yet ({reason})"
+    return ""
+
+
 def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Patch every supported recurrent mixer in ``model`` in place and return ``model``.
 
@@ -177,11 +200,13 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
             module.__class__ = _patched_class(type(module), spec)
             patched.append(name)
         module._safepad_backend = backend
+        probe_gated_norm(module, spec.options.get("gated_norm"))
         owners.add(id(module))
     if not owners:
+        reason = _unsupported_reason(model)
         raise UnsupportedModelError(
             f"safepad.wrap found no supported recurrent mixer in this {type(model).__name__} "
-            f"(model_type={_model_type(model)!r}). Supported model types: {', '.join(supported_model_types())}."
+            f"(model_type={_model_type(model)!r}){reason}. Supported model types: {', '.join(supported_model_types())}."
         )
     _install_model_hooks(model)
     if patched:
@@ -294,6 +319,8 @@ class _ModelPreHook:
             module._safepad_tokens.append(None)
             return None
         B, T = ids.shape[0], ids.shape[1]
+        if tracing():
+            return self._traced_call(module, args, kwargs, B, T, ids)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):
             # generate() with a compileable cache (e.g. one without attention layers) hands in per-layer-type
@@ -331,7 +358,77 @@ class _ModelPreHook:
         decode_mask = None
         if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
             decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token is padding in some rows
-        token = set_context(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
+        token = enter_call(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
+        module._safepad_tokens.append(token)
+        return args, kwargs
+
+    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor):
+        """The pre-hook while dynamo traces the call: every decision from what is static, checks on the device.
+
+        * given boundaries (``seq_idx`` / ``cu_seq_lens_*``, or 2-D ``position_ids`` without a 2-D mask) run the
+          varlen path, whether or not a row really holds several sequences (same result). A 2-D mask next to
+          ``seq_idx`` / ``cu_seq_lens`` must be right-padded (checked); its pads become a segment of their own and
+          it is dropped, as eager does for packed rows;
+        * an explicitly requested cache keeps the unpacked path and checks on the device that no row holds
+          several sequences (the eager error); without one the call runs with ``use_cache=False``;
+        * ``position_ids`` next to a 2-D mask are not read as packing; the device checks that they do not
+          restart at 0 after a row's first real token (eager would read them as packed rows);
+        * a 2-D mask on a one-token step always travels to the mixers (rows marked real are unaffected).
+        """
+        info = self.info
+        params = info["params"]
+        mask = kwargs.get("attention_mask")
+        mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        position_ids = kwargs.get("position_ids")
+        position_ids = position_ids if isinstance(position_ids, torch.Tensor) else None
+        explicit = any(isinstance(kwargs.get(k), torch.Tensor) for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
+        seq_idx, source = boundaries_from_kwargs(
+            (B, T),
+            seq_idx=kwargs.get("seq_idx"),
+            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+            cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+            position_ids=position_ids if (explicit or not mask2d) else None,
+            padding_mask=mask if (explicit and mask2d) else None,
+        )
+        kwargs.pop("seq_idx", None)
+        if not info["var_kwargs"]:
+            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+                if k not in params:
+                    kwargs.pop(k, None)
+        cache_requested = kwargs.get("use_cache") is True or any(
+            kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
+        )
+        if seq_idx is not None and cache_requested:
+            device_check(
+                ~multi_sequence(seq_idx),
+                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
+                "keeps one recurrent state per row, so there is no right state to store. Call with "
+                "use_cache=False, or pad the sequences (left or right) instead of packing them.",
+            )
+            seq_idx = None  # every row holds one sequence (checked): the unpacked path, as eager
+        elif seq_idx is not None:
+            if mask2d:
+                m = mask[:, -T:].to(torch.bool)  # [B, T]
+                device_check(
+                    ~(m[:, 1:] & ~m[:, :-1]).any() if T > 1 else m.new_ones(()),
+                    f"packed boundaries ({source}) came together with an attention_mask that has padding before "
+                    "or between real tokens; packed rows may only end in padding (under torch.compile this holds "
+                    f"for rows of one sequence with {source} too). Put the pads at the end of each row, or pad "
+                    "without packing boundaries.",
+                )
+                seq_idx = torch.where(m, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
+            self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
+        elif mask2d and position_ids is not None and position_ids.dim() == 2 and T > 1:
+            if position_ids.shape[-1] == T and position_ids.shape[0] in (1, B):
+                m = mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
+                device_check(
+                    ~((position_ids == 0) & m & (m.cumsum(1) > 1)).any(),
+                    "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
+                    "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
+                    "when they come with an attention_mask (or come without one)",
+                )
+        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
+        token = enter_call(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
         module._safepad_tokens.append(token)
         return args, kwargs
 
@@ -511,7 +608,7 @@ def _post_hook(module: nn.Module, args, output):
     if tokens:
         token = tokens.pop()
         if token is not None:
-            reset_context(token)
+            exit_call(token)
     return None
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
-from ..testing.tiny import family_names, tiny_model
+from ..testing.tiny import family_available, family_names, tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,12 @@ def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
         model, label = _load_checkpoint(args.model, dtype, parser)
         return model.to(device).eval(), label
     family = args.family or "nemotron_h"
-    if family not in family_names():  # every safepad.supported_model_types() entry is one
-        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(family_names())}")
+    known = family_names()  # every safepad.supported_model_types() entry is one
+    if family not in known:
+        parser.error(f"--family: unknown family {family!r}; choose from {', '.join(known)}")
+    available, why = family_available(family)
+    if not available:
+        parser.error(f"--family: {why}")
     return tiny_model(family, dtype=dtype).to(device), f"tiny {family}"
 
 

@@ -65,11 +65,18 @@ def current_sp() -> SPContext | None:
     return _SP.get()
 
 
+#: the SP contexts in effect, as a plain list that traced code (torch.compile) can read: dynamo cannot read _SP
+_SP_ACTIVE: list[SPContext | None] = []
+
+
 def set_sp(ctx: SPContext | None) -> contextvars.Token:
+    _SP_ACTIVE.append(ctx)
     return _SP.set(ctx)
 
 
 def reset_sp(token: contextvars.Token) -> None:
+    if _SP_ACTIVE:
+        _SP_ACTIVE.pop()
     _SP.reset(token)
 
 
@@ -86,6 +93,13 @@ def resolve_sp(module: torch.nn.Module, shape: tuple[int, int]) -> SPContext | N
     A call whose shape is not the shard's shape inside a sequence-parallel model call raises: every layer
     of a sharded call must see the shard.
     """
+    if torch.compiler.is_compiling():
+        if any(c is not None for c in _SP_ACTIVE):
+            raise ValueError(
+                f"{type(module).__name__}: sequence parallelism is not supported under torch.compile; run the "
+                "sequence-parallel model eagerly"
+            )
+        return None
     ctx = _SP.get()
     if ctx is not None:
         if tuple(shape) != ctx.shape:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._tracing import device_check, tracing
+
 __all__ = [
     "validate_seq_idx",
     "validate_cu_seqlens",
@@ -47,7 +49,15 @@ def validate_seq_idx(seq_idx: Tensor, shape: tuple[int, int] | None = None, name
         raise ValueError(f"{name} must have shape [batch, seqlen], got shape {tuple(seq_idx.shape)}")
     if shape is not None and tuple(seq_idx.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(seq_idx.shape)} but the inputs have [batch, seqlen] = {tuple(shape)}")
-    if seq_idx.numel():
+    if seq_idx.numel() and tracing():
+        device_check(~(seq_idx < 0).any(), f"{name} must be non-negative")
+        if seq_idx.shape[1] > 1:
+            device_check(
+                ~(seq_idx[:, 1:] < seq_idx[:, :-1]).any(),
+                f"{name} decreases inside a row: it must be non-decreasing along the sequence dimension "
+                "(a new sequence starts wherever the value increases)",
+            )
+    elif seq_idx.numel():
         if bool((seq_idx < 0).any()):
             raise ValueError(f"{name} must be non-negative")
         if seq_idx.shape[1] > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
@@ -70,6 +80,16 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, name: str 
         raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"{name} must have shape [num_seqs + 1] with num_seqs >= 1, got {tuple(cu_seqlens.shape)}")
+    if tracing():
+        device_check(cu_seqlens[0] == 0, f"{name} must start at 0")
+        device_check(~(cu_seqlens[1:] < cu_seqlens[:-1]).any(), f"{name} must be non-decreasing")
+        if total is not None:
+            device_check(
+                cu_seqlens[-1] == total,
+                f"{name} does not end at the {total} tokens of the packed input: the sequence lengths must add up "
+                "to the row length",
+            )
+        return cu_seqlens.to(torch.int32)
     if int(cu_seqlens[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(cu_seqlens[0])}")
     if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
@@ -85,6 +105,9 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, name: str 
 def seq_idx_from_cu_seqlens(cu_seqlens: Tensor, total: int, name: str = "cu_seqlens") -> Tensor:
     """``cu_seqlens`` ``[S + 1]`` over a flattened ``[1, total]`` row -> ``seq_idx`` ``[1, total]`` int32."""
     cu = validate_cu_seqlens(cu_seqlens, total, name)
+    if tracing():  # static shape: token t belongs to the last sequence starting at or before t
+        t = torch.arange(total, device=cu.device, dtype=cu.dtype)  # [total]
+        return (torch.searchsorted(cu, t, right=True) - 1).to(torch.int32).unsqueeze(0)  # [1, total]
     lengths = (cu[1:] - cu[:-1]).to(torch.int64)  # [S]
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)  # [total]
     return seq.to(torch.int32).unsqueeze(0)  # [1, total]

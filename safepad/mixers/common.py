@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as mod
 
+from .._tracing import tracing
 from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, current_context, resolve_seq_idx
 from ..distributed.context import SPContext, resolve_sp
@@ -28,6 +29,7 @@ __all__ = [
     "layout_op",
     "pop_cache",
     "prepare_layout",
+    "probe_gated_norm",
 ]
 
 
@@ -51,17 +53,25 @@ class Layout:
     ``mask`` ``[B, T]`` bool right-padded token mask (``None``: every token is real);
     ``seq_idx`` ``[B, T]`` int32 packed boundaries (``None``: one sequence per row);
     ``compaction``: set when the rows were compacted (left pads / holes) and outputs must be scattered back;
-    ``sp``: the sequence-parallel context when this call is one rank's shard (``safepad.distributed``).
+    ``sp``: the sequence-parallel context when this call is one rank's shard (``safepad.distributed``);
+    ``right_padded``: ``[]`` bool, only while tracing (every masked call is compacted then): the mask was
+    right-padded already, so the compaction is the identity and the outputs at pads stay as computed.
     """
 
     mask: Tensor | None
     seq_idx: Tensor | None
     compaction: Compaction | None
     sp: SPContext | None = None
+    right_padded: Tensor | None = None
 
     def restore(self, out: Tensor) -> Tensor:
         """Put ``out`` ``[B, T, ...]`` back into the caller's token order."""
-        return self.compaction.scatter(out) if self.compaction is not None else out
+        if self.compaction is None:
+            return out
+        back = self.compaction.scatter(out)
+        if self.right_padded is not None:
+            back = torch.where(self.right_padded, out, back)  # eager does not compact a right-padded mask
+        return back
 
 
 def prepare_layout(
@@ -76,7 +86,11 @@ def prepare_layout(
     seq_idx = resolve_seq_idx(module, (B, T), kwargs)
     if attention_mask is None and T == 1:
         attention_mask = context_decode_mask((B, T))  # transformers drops the mask on one-token steps
-    mask, compaction = _analyse_mask(attention_mask, (B, T))
+    if tracing():
+        mask, compaction, right_padded = _analyse_mask_traced(attention_mask, (B, T))
+    else:
+        mask, compaction = _analyse_mask(attention_mask, (B, T))
+        right_padded = None
     if seq_idx is not None and cache is not None:
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a packed row holds several "
@@ -97,7 +111,7 @@ def prepare_layout(
     if compaction is not None:
         hidden_states = compaction.gather(hidden_states)  # [B, T, C] real tokens first
         mask = compaction.mask
-    return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction, sp=sp)
+    return hidden_states, Layout(mask=mask, seq_idx=seq_idx, compaction=compaction, sp=sp, right_padded=right_padded)
 
 
 def layout_op(layout: Layout, fn):
@@ -126,6 +140,19 @@ def _analyse_mask(attention_mask: Tensor | None, shape: tuple[int, int]) -> tupl
     if ctx is not None and attention_mask is not None:
         ctx.layouts[key] = (attention_mask, mask, compaction)  # holding the tensor keeps its id unique
     return mask, compaction
+
+
+def _analyse_mask_traced(
+    attention_mask: Tensor | None, shape: tuple[int, int]
+) -> tuple[Tensor | None, Compaction | None, Tensor | None]:
+    """:func:`_analyse_mask` without host syncs: any 2-D mask is kept (all ones: every token is real, the same
+    result as none) and compacted (a right-padded mask: the identity). Returns ``(mask, compaction,
+    right_padded [] bool)``; all ``None`` without a 2-D mask."""
+    mask = normalize_mask(attention_mask, shape)
+    if mask is None:
+        return None, None, None
+    right_padded = (~(mask[:, 1:] & ~mask[:, :-1])).all() if shape[1] > 1 else mask.new_ones(())
+    return mask, Compaction.from_mask(mask), right_padded
 
 
 def cached_conv(
@@ -211,6 +238,13 @@ def _same_math(norm: torch.nn.Module) -> bool:
     return _FUSABLE[cls]
 
 
+def probe_gated_norm(module: torch.nn.Module, stock_class: str | None) -> None:
+    """Run the once-per-class numeric check of ``module.norm`` now (at wrap time), outside any compiled region."""
+    norm = getattr(module, "norm", None)
+    if stock_class is not None and norm is not None and type(norm).__name__ == stock_class:
+        _same_math(norm)
+
+
 def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor, stock_class: str | None) -> Tensor:
     """The mixer's gated norm ``norm(y, gate)``, ``[B, T, I]`` each.
 
@@ -228,6 +262,7 @@ def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor, stock_class: str 
         and cls.__module__.startswith("transformers.")
         and "forward" not in vars(norm)  # accelerate's device/offload hooks replace the instance's forward
         and not _has_hooks(norm)
+        and (cls in _FUSABLE or not tracing())  # the numeric check cannot run while tracing: wrap() runs it
         and _same_math(norm)
     ):
         return gated_rms_norm(y, gate, norm.weight, norm.group_size, norm.variance_epsilon)

@@ -6,7 +6,11 @@ The three transformers 5.23 mixers share one structure::
       -> (optional RMS norms on dt_low, B, C) -> dt_proj -> selective scan(x, dt, A, B, C, D, z) -> out_proj
 
 and differ only in the optional norms (FalconMamba: weightless RMS norms; Jamba: RMS norms with weights),
-which a :class:`~safepad.specs.MixerSpec` declares by attribute name. This forward calls ``in_proj``,
+which a :class:`~safepad.specs.MixerSpec` declares by attribute name. Zamba's multi-head variant
+(``options["heads"] = True``) interleaves ``x`` and ``z`` in ``in_proj``'s output and gives each of its
+``n_mamba_heads`` heads its own ``x_proj_weight [H, R + 2N, P]``, ``dt_proj_weight [H, P, R]``, ``A_log [H, P, N]``
+and ``D [H, P]`` (``P = I / H``); each head is scanned on its own, with a ``[B, H, P, N]`` cached state.
+This forward calls ``in_proj``,
 ``x_proj``, ``dt_proj``, the norms and ``out_proj`` as modules, so PEFT adapters and hooks on them stay
 active. When ``dt_proj`` is a plain ``nn.Linear`` its bias goes into the scan as ``delta_bias`` in float32
 (exactly the stock numerics, as mamba-ssm does); any other ``dt_proj`` (a LoRA layer, a quantized linear)
@@ -65,6 +69,68 @@ def _split_xproj(module: nn.Module, x: Tensor, opts) -> tuple[Tensor, Tensor, Te
     return dt_low, Bm, Cm
 
 
+def _head_params(module: nn.Module, xc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zamba heads: conv output ``xc [..., H, P]`` -> (raw dt ``[..., H, P]``, B ``[..., H, N]``, C ``[..., H, N]``)."""
+    R, N = module.time_step_rank, module.ssm_state_size
+    params = torch.einsum("...hp,hkp->...hk", xc, module.x_proj_weight)  # [..., H, R + 2N]
+    dt_low, Bm, Cm = params.split([R, N, N], dim=-1)  # [..., H, R], [..., H, N], [..., H, N]
+    dt = torch.einsum("...hr,hpr->...hp", dt_low, module.dt_proj_weight)  # [..., H, P]
+    return dt, Bm, Cm
+
+
+def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, backend: str) -> Tensor:
+    """Zamba's per-head Mamba1: ``x``, ``gate`` ``[B, T, I]`` -> ``y`` ``[B, T, I]`` (cache written in place)."""
+    Bsz, T, I = x.shape  # noqa: E741
+    H = self.n_mamba_heads
+    P = I // H
+    mask = layout.mask
+    A = -torch.exp(self.A_log.float())  # [H, P, N]
+    D = self.D.float()  # [H, P]
+    bias = self.dt_proj_bias.float() if self.dt_proj_bias is not None else None  # [H, P]
+    if past.has_previous and T == 1:
+        xc, conv_new = cached_conv_step(x[:, 0], self.conv1d, past, activation=self.activation, backend=backend)
+        xh = xc.view(Bsz, H, P)  # [B, I] -> [B, H, P]
+        dt, Bm, Cm = _head_params(self, xh)  # [B, H, P], [B, H, N], [B, H, N]
+        zh = gate[:, 0].view(Bsz, H, P)  # [B, H, P]
+        ys, states = [], []
+        for h in range(H):
+            y_h, s_h = selective_state_step(
+                past.recurrent[:, h], xh[:, h], dt[:, h], A[h], Bm[:, h], Cm[:, h], D=D[h], z=zh[:, h],
+                delta_bias=None if bias is None else bias[h], delta_softplus=True, backend=backend,
+            )  # [B, P], [B, P, N]
+            ys.append(y_h)
+            states.append(s_h)
+        ssm_new = torch.stack(states, dim=1)  # [B, H, P, N]
+        write_states(
+            cache,
+            self.layer_idx,
+            conv=hold_masked_rows(mask, conv_new, past.conv),
+            recurrent=hold_masked_rows(mask, ssm_new, past.recurrent),
+        )
+        return torch.cat(ys, dim=-1)[:, None]  # [B, 1, I]
+    want_state = cache is not None
+    xc, conv_final = cached_conv(
+        x, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
+    )  # [B, T, I], [B, I, K]
+    xh = xc.view(Bsz, T, H, P)  # [B, T, I] -> [B, T, H, P]
+    dt, Bm, Cm = _head_params(self, xh)  # [B, T, H, P], [B, T, H, N], [B, T, H, N]
+    zh = gate.view(Bsz, T, H, P)  # [B, T, H, P]
+    ys, states = [], []
+    for h in range(H):
+        out = selective_scan(
+            xh[:, :, h], dt[:, :, h], A[h], Bm[:, :, h], Cm[:, :, h], D=D[h], z=zh[:, :, h],
+            delta_bias=None if bias is None else bias[h], delta_softplus=True, seq_idx=layout.seq_idx,
+            initial_state=None if past.recurrent is None else past.recurrent[:, h], token_mask=mask,
+            return_final_state=want_state, backend=backend,
+        )
+        y_h, s_h = out if want_state else (out, None)  # [B, T, P], [B, P, N]
+        ys.append(y_h)
+        states.append(s_h)
+    if want_state:
+        write_states(cache, self.layer_idx, conv=conv_final, recurrent=torch.stack(states, dim=1))  # [B, H, P, N]
+    return torch.cat(ys, dim=-1)  # [B, T, I]
+
+
 def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):
     """Padding/packing-correct forward of a Mamba1-style mixer.
 
@@ -88,6 +154,11 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     if mask is not None:
         hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     projected = self.in_proj(hidden_states)  # [B, T, 2I]
+    if opts.get("heads"):
+        x, gate = projected.unflatten(-1, (I, 2)).unbind(-1)  # interleaved [x_0, z_0, x_1, z_1, ...] -> [B, T, I] x2
+        past = read_states(cache, self.layer_idx)
+        y = _multi_head_forward(self, x, gate, layout, cache, past, backend)  # [B, T, I]
+        return layout.restore(self.out_proj(y.to(dtype)))
     x, gate = projected.split([I, I], dim=-1)  # [B, T, I], [B, T, I]
 
     A = -torch.exp(self.A_log.float())  # [I, N]

@@ -23,6 +23,7 @@ from safepad.layout.boundaries import (
     validate_seq_idx,
 )
 
+from .._tracing import device_check, tracing
 from . import kernels
 from .amp import fp32_core
 
@@ -98,6 +99,8 @@ def conv_states_from_inputs(
         # the state does not keep the caller's larger input tensor alive)
         final = x[:, T - L :].transpose(1, 2).clone(memory_format=torch.contiguous_format)  # [B, D, L]
         return (final if return_final_state else None), None
+    if seq_idx is None and not return_varlen_states and tracing():
+        return (_row_states_right_padded(x, L, initial_state, token_mask) if return_final_state else None), None
     if seq_idx is None:
         seq_idx = torch.zeros(Bsz, T, dtype=torch.int32, device=dev)
     n_tok = Bsz * T
@@ -139,12 +142,34 @@ def conv_states_from_inputs(
     return final, (states if return_varlen_states else None)
 
 
+def _row_states_right_padded(x: Tensor, L: int, initial_state: Tensor | None, token_mask: Tensor | None) -> Tensor:
+    """One sequence per row, real tokens first: the last ``L`` real inputs of ``[initial_state || x]`` of each row,
+    ``[B, D, L]``, zero-filled on the left (the same values as the general gather, with static shapes)."""
+    Bsz, T, D = x.shape
+    if token_mask is not None and T > 1:
+        device_check(
+            ~(token_mask[:, 1:] & ~token_mask[:, :-1]).any(),
+            "under torch.compile, conv states are gathered from right-padded rows only (real tokens first); "
+            "compact the rows first (safepad.layout.Compaction)",
+        )
+    S_init = 0 if initial_state is None else initial_state.shape[-1]
+    parts = [x.new_zeros(Bsz, D, 1)]  # column 0: the zero fill
+    if initial_state is not None:
+        parts.append(initial_state.to(x.dtype))
+    parts.append(x.transpose(1, 2))
+    src = torch.cat(parts, dim=2)  # [B, D, 1 + S_init + T]
+    n = torch.full((Bsz,), T, device=x.device) if token_mask is None else token_mask.sum(dim=1)  # [B] real tokens
+    col = S_init + n[:, None] - L + torch.arange(L, device=x.device)  # [B, L] column in [init || x]
+    col = torch.where(col >= 0, col + 1, torch.zeros_like(col))  # before the first input: the zero column
+    return src.gather(2, col[:, None, :].expand(Bsz, D, L))  # [B, D, L]
+
+
 # Tokens per block of the conv's forward and backward: each pass of the K shifted sums then reads and writes
 # ~1 MiB slices that stay in cache between passes instead of streaming whole [B, T, D] tensors K times.
 _BLOCK_BYTES = 1 << 20
 
 
-class _CausalConv(torch.autograd.Function):
+class _CausalConv:
     """Depthwise causal conv (+ bias, + optional SiLU) as a sum of ``K`` shifted, weighted copies of ``x``.
 
     Token-major throughout (no transposes), over blocks of tokens, with a hand-written backward: on CPU this
@@ -167,7 +192,8 @@ class _CausalConv(torch.autograd.Function):
         return tb, torch.cat([head, x[:, : min(T, tb)]], dim=1)
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool):
+    def fwd(x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool):
+        """``(out [B, T, D], pre [B, T, D] before the SiLU | None without it)``."""
         Bsz, T, D = x.shape
         K = weight.shape[1]
         tb, first = _CausalConv._blocks(x, head)
@@ -192,18 +218,16 @@ class _CausalConv(torch.autograd.Function):
                 p.addcmul_(src, weight[:, k])
             if silu:
                 torch.mul(p, torch.sigmoid(p), out=out[:, t0:t1])
-        ctx.silu = silu
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, head, weight, same, pre if silu else None)
-        return out
+        return out, (pre if silu else None)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g: Tensor):
-        x, head, weight, same, pre = ctx.saved_tensors
+    def bwd(g: Tensor, x: Tensor, head: Tensor, weight: Tensor, same: Tensor | None, pre: Tensor | None, silu: bool,
+            has_bias: bool, need: tuple[bool, bool, bool, bool]):
+        """``(g_xp [B, K-1+T, D] (g_head then g_x) | None, g_w [K, D] | None, g_b [D] | None)`` for ``g``
+        ``[B, T, D]``; ``need`` = which of x, weight, bias, head want a gradient."""
         Bsz, T, D = x.shape
         K = weight.shape[1]
-        need_x, need_w, need_b, need_head = ctx.needs_input_grad[:4]
+        need_x, need_w, need_b, need_head = need
         tb, first = _CausalConv._blocks(x, head)
         m = min(tb, T)
         g_xp = x.new_empty(Bsz, K - 1 + T, D) if (need_x or need_head) else None  # [B, K-1+T, D]
@@ -216,7 +240,7 @@ class _CausalConv(torch.autograd.Function):
             t1 = min(t0 + tb, T)
             n = t1 - t0
             gp = gp_ws[:, :n]  # [B, n, D] gradient before the activation
-            if ctx.silu:
+            if silu:
                 torch.ops.aten.silu_backward.grad_input(g[:, t0:t1], pre[:, t0:t1], grad_input=gp)
             else:
                 gp.copy_(g[:, t0:t1])
@@ -235,16 +259,75 @@ class _CausalConv(torch.autograd.Function):
                     g_xp[:, o - s : o - s + n].addcmul_(gk, weight[:, k])  # rows of this or the previous block
                 if need_w:
                     g_w[k] += torch.mul(gk, xb[:, k : k + n], out=buf_ws[:, :n]).sum((0, 1))
-            if need_b and ctx.has_bias:
+            if need_b and has_bias:
                 g_b += gp.sum((0, 1))
-        return (
-            g_xp[:, K - 1 :] if need_x else None,
-            g_w.t() if need_w else None,
-            g_b if need_b and ctx.has_bias else None,
-            g_xp[:, : K - 1] if need_head else None,
-            None,
-            None,
-        )
+        return g_xp, (g_w if need_w else None), (g_b if need_b and has_bias else None)
+
+
+# _CausalConv as custom ops with a registered autograd formula: opaque to torch.compile (the block loops with
+# out= and in-place updates run as they are), the same code in eager.
+@torch.library.custom_op("safepad::causal_conv", mutates_args=())
+def _causal_conv_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, head: Tensor, same: Tensor | None, silu: bool
+) -> tuple[Tensor, Tensor]:
+    out, pre = _CausalConv.fwd(x, weight, bias, head, same, silu)
+    return out.contiguous(), (x.new_empty(0) if pre is None else pre.contiguous())
+
+
+@_causal_conv_op.register_fake
+def _(x, weight, bias, head, same, silu):
+    Bsz, T, D = x.shape
+    return x.new_empty(Bsz, T, D), (x.new_empty(Bsz, T, D) if silu else x.new_empty(0))
+
+
+@torch.library.custom_op("safepad::causal_conv_bwd", mutates_args=())
+def _causal_conv_bwd_op(
+    g: Tensor, x: Tensor, head: Tensor, weight: Tensor, same: Tensor | None, pre: Tensor, silu: bool, has_bias: bool,
+    need_x: bool, need_w: bool, need_b: bool, need_head: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    g_xp, g_w, g_b = _CausalConv.bwd(
+        g, x, head, weight, same, pre if silu else None, silu, has_bias, (need_x, need_w, need_b, need_head)
+    )
+    return tuple(x.new_empty(0) if t is None else t.contiguous() for t in (g_xp, g_w, g_b))  # no two alike
+
+
+@_causal_conv_bwd_op.register_fake
+def _(g, x, head, weight, same, pre, silu, has_bias, need_x, need_w, need_b, need_head):
+    Bsz, T, D = x.shape
+    K = weight.shape[1]
+    g_xp = x.new_empty(Bsz, K - 1 + T, D) if (need_x or need_head) else x.new_empty(0)
+    g_w = x.new_empty(K, D) if need_w else x.new_empty(0)
+    g_b = x.new_empty(D) if need_b and has_bias else x.new_empty(0)
+    return g_xp, g_w, g_b
+
+
+def _causal_conv_setup(ctx, inputs, output):
+    x, weight, bias, head, same, silu = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.silu, ctx.has_bias = silu, bias is not None
+    ctx.save_for_backward(x, head, weight, same, output[1])
+
+
+def _causal_conv_backward(ctx, g, _g_pre):
+    x, head, weight, same, pre = ctx.saved_tensors
+    need_x, need_w, need_b, need_head = ctx.needs_input_grad[:4]
+    need_b = need_b and ctx.has_bias
+    if not (need_x or need_w or need_b or need_head):
+        return None, None, None, None, None, None
+    K = weight.shape[1]
+    g_xp, g_w, g_b = _causal_conv_bwd_op(g, x, head, weight, same, pre, ctx.silu, ctx.has_bias, need_x, need_w, need_b,
+                                         need_head)
+    return (
+        g_xp[:, K - 1 :] if need_x else None,
+        g_w.t() if need_w else None,
+        g_b if need_b else None,
+        g_xp[:, : K - 1] if need_head else None,
+        None,
+        None,
+    )
+
+
+_causal_conv_op.register_autograd(_causal_conv_backward, setup_context=_causal_conv_setup)
 
 
 def _conv_torch(
@@ -259,7 +342,7 @@ def _conv_torch(
         seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
         same = torch.stack([seqp[:, k : k + T] == seq_idx for k in range(K - 1)])  # [K-1, B, T]
         same = same.unsqueeze(-1)  # [K-1, B, T, 1] bool (selection, not a multiply)
-    return _CausalConv.apply(x, weight, bias, head, same, activation in ("silu", "swish"))
+    return _causal_conv_op(x, weight, bias, head, same, activation in ("silu", "swish"))[0]
 
 
 @fp32_core

@@ -24,11 +24,11 @@ def _rows(I: int) -> int:  # noqa: E741
     return max(1, _BLOCK_BYTES // (4 * I))
 
 
-class _GatedRMSNorm(torch.autograd.Function):
-    """y, gate ``[R, I]`` (rows may be strided); weight ``[I]``. Returns ``[R, I]``."""
+class _GatedRMSNorm:
+    """y, gate ``[R, I]`` (rows may be strided); weight ``[I]``. Forward returns ``([R, I], rstd [R, G])``."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:
+    def fwd(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
         R, I = y.shape  # noqa: E741
         G = I // group_size
         out_dtype = torch.promote_types(weight.dtype, y.dtype)
@@ -43,16 +43,13 @@ class _GatedRMSNorm(torch.autograd.Function):
             rstd[r0:r1] = r
             n = (ug * r.unsqueeze(-1)).view(r1 - r0, I)  # [rb, I]
             torch.mul(weight, n.to(y.dtype), out=out[r0:r1])
-        ctx.group_size = group_size
-        ctx.save_for_backward(y, gate, weight, rstd)
-        return out
+        return out, rstd
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_out: Tensor):
-        y, gate, weight, rstd = ctx.saved_tensors
+    def bwd(g_out: Tensor, y: Tensor, gate: Tensor, weight: Tensor, rstd: Tensor, group_size: int):
+        """``(g_y [R, I], g_gate [R, I], g_weight [I])``."""
         R, I = y.shape  # noqa: E741
-        S = ctx.group_size
+        S = group_size
         G = I // S
         g_y = torch.empty(R, I, dtype=y.dtype, device=y.device)
         g_gate = torch.empty(R, I, dtype=gate.dtype, device=y.device)
@@ -74,7 +71,47 @@ class _GatedRMSNorm(torch.autograd.Function):
             g_u = torch.addcmul(g_n, n, dot, value=-1.0).mul_(r).view(m, I)  # [rb, I] through the RMS normalisation
             torch.mul(g_u, s, out=g_y[r0:r1])  # written in (cast to) y's dtype
             torch.ops.aten.silu_backward.grad_input(g_u * yb, gf, grad_input=g_gate[r0:r1])
-        return g_y, g_gate, g_w.to(weight.dtype), None, None
+        return g_y, g_gate, g_w.to(weight.dtype)
+
+
+# _GatedRMSNorm as custom ops with a registered autograd formula (opaque to torch.compile, same code in eager).
+@torch.library.custom_op("safepad::gated_rms_norm", mutates_args=())
+def _gated_rms_norm_op(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> tuple[Tensor, Tensor]:
+    return tuple(t.contiguous() for t in _GatedRMSNorm.fwd(y, gate, weight, group_size, eps))
+
+
+@_gated_rms_norm_op.register_fake
+def _(y, gate, weight, group_size, eps):
+    R, I = y.shape  # noqa: E741
+    out = torch.empty(R, I, dtype=torch.promote_types(weight.dtype, y.dtype), device=y.device)
+    return out, torch.empty(R, I // group_size, dtype=torch.float32, device=y.device)
+
+
+@torch.library.custom_op("safepad::gated_rms_norm_bwd", mutates_args=())
+def _gated_rms_norm_bwd_op(
+    g_out: Tensor, y: Tensor, gate: Tensor, weight: Tensor, rstd: Tensor, group_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(t.contiguous() for t in _GatedRMSNorm.bwd(g_out, y, gate, weight, rstd, group_size))
+
+
+@_gated_rms_norm_bwd_op.register_fake
+def _(g_out, y, gate, weight, rstd, group_size):
+    return y.new_empty(y.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape)
+
+
+def _gated_rms_norm_setup(ctx, inputs, output):
+    y, gate, weight, group_size, eps = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.group_size = group_size
+    ctx.save_for_backward(y, gate, weight, output[1])
+
+
+def _gated_rms_norm_backward(ctx, g_out, _g_rstd):
+    y, gate, weight, rstd = ctx.saved_tensors
+    return (*_gated_rms_norm_bwd_op(g_out, y, gate, weight, rstd, ctx.group_size), None, None)
+
+
+_gated_rms_norm_op.register_autograd(_gated_rms_norm_backward, setup_context=_gated_rms_norm_setup)
 
 
 def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:
@@ -94,5 +131,5 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps
     if tuple(weight.shape) != (I,) or group_size <= 0 or I % group_size:
         raise ValueError(f"weight must be [{I}] and group_size must divide {I}, got {tuple(weight.shape)}, {group_size}")
     lead = y.shape[:-1]
-    out = _GatedRMSNorm.apply(y.reshape(-1, I), gate.reshape(-1, I), weight, int(group_size), float(eps))
+    out, _ = _gated_rms_norm_op(y.reshape(-1, I), gate.reshape(-1, I), weight, int(group_size), float(eps))
     return out.view(*lead, I)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from safepad._tracing import device_check, tracing
 from safepad.layout.boundaries import validate_seq_idx
 from safepad.ops import kernels
 from safepad.ops.amp import fp32_core
@@ -101,47 +102,44 @@ def _rscan_(a: Tensor, g: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-class _SelectiveScanFn(torch.autograd.Function):
-    """``y = C . h`` with ``h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t``, resets and states at given tokens.
+class _SelectiveScanFn:
+    """``y = C . h`` with ``h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t`` and resets at given tokens.
 
     Inputs (all in the compute dtype): ``u``, ``dt`` ``[B, T, Dm]`` (dt already processed and masked);
-    ``A`` ``[Dm, N]``; ``Bm``, ``Cm`` ``[B, T, N]``; ``h0`` ``[B, Dm, N]`` or None; ``resets``: a pair
-    ``(rows, cols)`` of token indices whose decay is 0 (first tokens of sequences), or None; ``taps``:
-    ``(rows, cols)`` of tokens whose state is returned, or None.
+    ``A`` ``[Dm, N]``; ``Bm``, ``Cm`` ``[B, T, N]``; ``h0`` ``[B, Dm, N]`` or None; ``resets`` ``[B, T]`` bool:
+    tokens whose decay is 0 (first tokens of sequences), or None.
 
-    Returns ``y`` ``[B, T, Dm]`` and the tapped states ``[S, Dm, N]`` (empty when ``taps`` is None).
+    Forward returns ``y`` ``[B, T, Dm]``, the states after every token ``h`` and the decays ``dA``
+    ``[B, T, Dm, N]`` (both kept for backward; states at chosen tokens are read from ``h`` by indexing).
     """
 
     @staticmethod
-    def forward(ctx, u, dt, A, Bm, Cm, h0, resets, taps):  # type: ignore[override]
+    def fwd(u, dt, A, Bm, Cm, h0, resets):
         # contiguous [B, T, *] inputs make every [B, T, Dm, N] product below contiguous (views in backward)
         u, dt, Bm, Cm = u.contiguous(), dt.contiguous(), Bm.contiguous(), Cm.contiguous()
         dA = torch.exp(dt.unsqueeze(-1) * A)  # [B, T, Dm, N], in (0, 1]
         if resets is not None:
-            dA[resets] = 0.0
+            dA.masked_fill_(resets[:, :, None, None], 0.0)
         du = dt * u  # [B, T, Dm]
         h = du.unsqueeze(-1) * Bm.unsqueeze(2)  # [B, T, Dm, 1] * [B, T, 1, N] -> [B, T, Dm, N]
         if h0 is not None:
             h[:, 0].addcmul_(dA[:, 0], h0)
         _scan_(dA, h)  # h: [B, T, Dm, N], the state after every token
         y = torch.matmul(h, Cm.unsqueeze(-1)).squeeze(-1)  # [B, T, Dm, N] @ [B, T, N, 1] -> [B, T, Dm]
-        states = h[taps] if taps is not None else h.new_zeros(0, *h.shape[2:])  # [S, Dm, N]
-        ctx.save_for_backward(u, dt, A, Bm, Cm, h0, h, dA)
-        ctx.taps = taps
-        ctx.set_materialize_grads(False)
-        return y, states
+        return y, h, dA
 
     @staticmethod
-    def backward(ctx, gy, gstates):  # type: ignore[override]
-        u, dt, A, Bm, Cm, h0, h, dA = ctx.saved_tensors
-        taps = ctx.taps
+    def bwd(gy, gh, u, dt, A, Bm, Cm, h0, h, dA):
+        """Gradients ``(g_u, g_dt, g_A, g_B, g_C, g_h0 | None)`` for ``gy`` ``[B, T, Dm]`` and ``gh``
+        ``[B, T, Dm, N]`` (the states read from ``h``), either None for zeros."""
+        u, dt, Bm, Cm = u.contiguous(), dt.contiguous(), Bm.contiguous(), Cm.contiguous()
         Bsz, T, Dm = u.shape
         N = A.shape[1]
         gy = torch.zeros_like(u) if gy is None else gy.contiguous()
-        # dL/dh_t from the output at t (and from the tapped states): [B, T, Dm, 1] * [B, T, 1, N]
+        # dL/dh_t from the output at t (and from the read states): [B, T, Dm, 1] * [B, T, 1, N]
         G = gy.unsqueeze(-1) * Cm.unsqueeze(2)  # [B, T, Dm, N]
-        if taps is not None and gstates is not None:
-            G.index_put_(taps, gstates, accumulate=True)
+        if gh is not None:
+            G.add_(gh)
         _rscan_(dA, G)  # G_t = total dL/dh_t = g_t + a_{t+1} G_{t+1} (a = 0 at resets cuts the flow)
 
         du = dt * u  # [B, T, Dm]
@@ -163,7 +161,59 @@ class _SelectiveScanFn(torch.autograd.Function):
         g_dt = g_dt + torch.matmul(q_d, A.unsqueeze(-1)).squeeze(-1).t().reshape(Bsz, T, Dm)  # sum_n q A
         dt_d = dt.reshape(Bsz * T, Dm).t().unsqueeze(1)  # [Dm, 1, B*T]
         g_A = torch.matmul(dt_d, q_d).squeeze(1)  # [Dm, 1, B*T] @ [Dm, B*T, N] -> [Dm, N]
-        return g_u, g_dt, g_A, g_B, g_C, g_h0, None, None
+        return g_u, g_dt, g_A, g_B, g_C, g_h0
+
+
+# _SelectiveScanFn as custom ops with a registered autograd formula: opaque to torch.compile (the in-place
+# odd/even scan runs as it is), the same code in eager.
+@torch.library.custom_op("safepad::selective_scan", mutates_args=())
+def _selective_scan_op(
+    u: Tensor, dt: Tensor, A: Tensor, Bm: Tensor, Cm: Tensor, h0: Tensor | None, resets: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(t.contiguous() for t in _SelectiveScanFn.fwd(u, dt, A, Bm, Cm, h0, resets))
+
+
+@_selective_scan_op.register_fake
+def _(u, dt, A, Bm, Cm, h0, resets):
+    Bsz, T, Dm = u.shape
+    N = A.shape[1]
+    return u.new_empty(Bsz, T, Dm), u.new_empty(Bsz, T, Dm, N), u.new_empty(Bsz, T, Dm, N)
+
+
+@torch.library.custom_op("safepad::selective_scan_bwd", mutates_args=())
+def _selective_scan_bwd_op(
+    gy: Tensor | None, gh: Tensor | None, u: Tensor, dt: Tensor, A: Tensor, Bm: Tensor, Cm: Tensor, h0: Tensor | None,
+    h: Tensor, dA: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    g = _SelectiveScanFn.bwd(gy, gh, u, dt, A, Bm, Cm, h0, h, dA)
+    return tuple(t.contiguous() for t in (*g[:5], u.new_empty(0) if g[5] is None else g[5]))
+
+
+@_selective_scan_bwd_op.register_fake
+def _(gy, gh, u, dt, A, Bm, Cm, h0, h, dA):
+    g_h0 = h0.new_empty(h0.shape) if h0 is not None else u.new_empty(0)
+    return (u.new_empty(u.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), Bm.new_empty(Bm.shape),
+            Cm.new_empty(Cm.shape), g_h0)
+
+
+def _selective_scan_setup(ctx, inputs, output):
+    u, dt, A, Bm, Cm, h0, resets = inputs
+    _, h, dA = output
+    ctx.mark_non_differentiable(dA)
+    ctx.set_materialize_grads(False)
+    ctx.has_h0 = h0 is not None
+    ctx.save_for_backward(u, dt, A, Bm, Cm, h0, h, dA)
+
+
+def _selective_scan_backward(ctx, gy, gh, _g_dA):
+    u, dt, A, Bm, Cm, h0, h, dA = ctx.saved_tensors
+    if gy is None and gh is None:
+        return None, None, None, None, None, None, None
+    g_u, g_dt, g_A, g_B, g_C, g_h0 = _selective_scan_bwd_op(gy, gh, u, dt, A, Bm, Cm, h0, h, dA)
+    return g_u, g_dt, g_A, g_B, g_C, (g_h0 if ctx.has_h0 else None), None
+
+
+_selective_scan_op.register_autograd(_selective_scan_backward, setup_context=_selective_scan_setup)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,8 +237,11 @@ def _check_A(A: object, Dm: int) -> Tensor:
         raise ValueError(f"A must have shape [Dm, N] = [{Dm}, N], got {shape}")
     if not A.is_floating_point():
         raise ValueError(f"A must be a floating-point tensor, got {A.dtype}")
-    if A.numel() and bool((A > 0).any()):
-        raise ValueError("A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up")
+    message = "A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up"
+    if A.numel() and tracing():
+        device_check(~(A > 0).any(), message)
+    elif A.numel() and bool((A > 0).any()):
+        raise ValueError(message)
     return A
 
 
@@ -287,11 +340,19 @@ def selective_scan(
             shape = list(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
             raise ValueError(f"token_mask must be a bool tensor of shape [B, T] = [{Bsz}, {T}], got {shape}")
         if token_mask.dtype != torch.bool:
-            if token_mask.is_floating_point() or bool(((token_mask != 0) & (token_mask != 1)).any()):
-                raise ValueError("token_mask must be boolean (or 0/1 integers): True marks a real token")
+            message = "token_mask must be boolean (or 0/1 integers): True marks a real token"
+            if token_mask.is_floating_point():
+                raise ValueError(message)
+            if tracing():
+                device_check(((token_mask == 0) | (token_mask == 1)).all(), message)
+            elif bool(((token_mask != 0) & (token_mask != 1)).any()):
+                raise ValueError(message)
             token_mask = token_mask.bool()
 
-    multi_seq = seq_idx is not None and T > 1 and bool((seq_idx[:, 1:] != seq_idx[:, :-1]).any())
+    if torch.compiler.is_compiling():
+        multi_seq = seq_idx is not None and T > 1  # no host sync while tracing: reset wherever seq_idx changes
+    else:
+        multi_seq = seq_idx is not None and T > 1 and bool((seq_idx[:, 1:] != seq_idx[:, :-1]).any())
     grads_to_state = return_final_state and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (u, delta, A, B, C, D, z, delta_bias)
     )
@@ -333,31 +394,27 @@ def selective_scan(
         (uc, dt, Bc, Cc), h0, poisoned = isolate_nonfinite(seq_idx, [uc, dt, Bc, Cc], h0)
     resets = None
     if multi_seq:
-        starts = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: first token of a sequence
-        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        resets = starts.nonzero(as_tuple=True)  # (rows, cols), t >= 1
-    taps = None
-    if return_final_state or return_varlen_states:
-        ends = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: last token of a sequence
-        ends[:, T - 1] = True
-        if return_varlen_states and seq_idx is not None and T > 1:
-            ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        taps = ends.nonzero(as_tuple=True)  # row-major order of appearance
+        resets = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: first token of a sequence
+        resets[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
 
-    y, states = _SelectiveScanFn.apply(uc, dt, A.to(cdt), Bc, Cc, h0, resets, taps)
+    y, h, _ = _selective_scan_op(uc, dt, A.to(cdt), Bc, Cc, h0, resets)  # h: [B, T, Dm, N]
     y = _gate(y, uc, D, z).to(u.dtype)
     if poisoned is not None:
         y = poison(y, poisoned)  # NaN back where its own sequence has it (and nowhere else)
-        if taps is not None:
-            states = poison_rows(states, poisoned[taps])
     if not (return_final_state or return_varlen_states):
         return y
     out = [y]
     if return_final_state:
-        row_last = torch.cumsum(ends.sum(dim=1), 0) - 1  # [B]: each row's tap at t = T-1 comes last in its row
-        out.append(states[row_last])  # [B, Dm, N]
+        final = h[:, T - 1].clone()  # [B, Dm, N] (a copy: a cached state must not keep h alive)
+        out.append(final if poisoned is None else poison_rows(final, poisoned[:, T - 1]))
     if return_varlen_states:
-        out.append(states)  # [S, Dm, N]
+        ends = torch.zeros(Bsz, T, dtype=torch.bool, device=u.device)  # [B, T]: last token of a sequence
+        ends[:, T - 1] = True
+        if seq_idx is not None and T > 1:
+            ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        taps = ends.nonzero(as_tuple=True)  # row-major order of appearance
+        states = h[taps]  # [S, Dm, N]
+        out.append(states if poisoned is None else poison_rows(states, poisoned[taps]))
     return tuple(out)
 
 

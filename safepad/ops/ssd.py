@@ -159,19 +159,38 @@ def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -
     return g_acs.view(b, c, H, Q), g_CB.view(b, c, G, Q, Q), g_xdt.view(b, c, H, Q, P)
 
 
-class _IntraChunk(torch.autograd.Function):
-    """:func:`_intra_fwd` as an autograd op saving only its small inputs (the autograd path of the scan)."""
+# :func:`_intra_fwd` as a custom op (opaque to torch.compile: its in-place block loop and hand-written backward
+# run as they are) saving only its small inputs; the autograd path of the scan (varlen states) uses it.
+@torch.library.custom_op("safepad::ssd_intra_chunk", mutates_args=())
+def _intra_chunk(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
+    return _intra_fwd(acs, CB, xdt, keep).contiguous()
 
-    @staticmethod
-    def forward(ctx, acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
-        ctx.save_for_backward(acs, CB, xdt, keep)
-        return _intra_fwd(acs, CB, xdt, keep)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy: Tensor):
-        acs, CB, xdt, keep = ctx.saved_tensors
-        return (*_intra_bwd(acs, CB, xdt, keep, gy), None)
+@_intra_chunk.register_fake
+def _(acs, CB, xdt, keep):
+    return xdt.new_empty(xdt.shape)
+
+
+@torch.library.custom_op("safepad::ssd_intra_chunk_bwd", mutates_args=())
+def _intra_chunk_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(t.contiguous() for t in _intra_bwd(acs, CB, xdt, keep, gy))
+
+
+@_intra_chunk_bwd.register_fake
+def _(acs, CB, xdt, keep, gy):
+    return acs.new_empty(acs.shape), CB.new_empty(CB.shape), xdt.new_empty(xdt.shape)
+
+
+def _intra_chunk_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _intra_chunk_backward(ctx, gy):
+    acs, CB, xdt, keep = ctx.saved_tensors
+    return (*_intra_chunk_bwd(acs, CB, xdt, keep, gy), None)
+
+
+_intra_chunk.register_autograd(_intra_chunk_backward, setup_context=_intra_chunk_setup)
 
 
 def _d_scale(D: Tensor, x: Tensor) -> Tensor:
@@ -282,7 +301,7 @@ def _carry_states_bwd(
     return g_states, g_d, g
 
 
-class _SSDCore(torch.autograd.Function):
+class _SSDCore:
     """The chunked scan over padded rows with a hand-written backward (the fast path of the torch core).
 
     Inputs (compute dtype, ``Tp = c * Q`` tokens, dt processed and masked): x ``[b, Tp, H, P]``, dt
@@ -320,7 +339,9 @@ class _SSDCore(torch.autograd.Function):
         return Bw.view(b, c, H, Q, N)
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, init, seq, Q: int):
+    def fwd(x, dt, A, B, C, D, init, seq, Q: int):
+        """Returns ``(y, final)`` and what backward keeps: ``d [b, c, H]``, ``prev [b, c, H, P, N]``,
+        ``y_off [b*c*G, Q, k*P]``."""
         b, Tp, H, P = x.shape
         G, N = B.shape[2], B.shape[3]
         k, c = H // G, Tp // Q
@@ -344,25 +365,22 @@ class _SSDCore(torch.autograd.Function):
         y = y.view(b, Tp, H, P)
         if D is not None:
             y.addcmul_(x, _d_scale(D, x))
-        ctx.Q = Q
-        ctx.save_for_backward(x, dt, A, B, C, D, init, seq, d, prev, y_off)
-        return y, final
+        return y, final, d, prev, y_off
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy: Tensor, g_final: Tensor):
-        x, dt, A, B, C, D, init, seq, d, prev, y_off = ctx.saved_tensors
-        Q = ctx.Q
+    def bwd(gy, g_final, x, dt, A, B, C, D, init, seq, d, prev, y_off, Q: int, need_D: bool, need_init: bool):
+        """Gradients ``(g_x, g_dt, g_A, g_B, g_C, g_D | None, g_init | None)`` for ``gy [b, Tp, H, P]`` (None:
+        zeros) and ``g_final [b, H, P, N]`` | None."""
         b, Tp, H, P = x.shape
         G, N = B.shape[2], B.shape[3]
         k, c = H // G, Tp // Q
         bcG = b * c * G
         p = _SSDCore._prep(x, dt, A, B, C, seq, Q)
-        gy = gy.contiguous()  # [b, Tp, H, P]
+        gy = torch.zeros_like(x) if gy is None else gy.contiguous()  # [b, Tp, H, P]
         gy_q = gy.view(b, c, Q, G, k, P).permute(0, 1, 3, 2, 4, 5)  # [b, c, G, Q, k, P] (view)
 
         g_D = None
-        if D is not None and ctx.needs_input_grad[5]:
+        if D is not None and need_D:
             prod = gy * x  # [b, Tp, H, P]
             g_D = prod.sum((0, 1)) if D.dim() == 2 else prod.sum((0, 1, 3))
 
@@ -379,7 +397,7 @@ class _SSDCore(torch.autograd.Function):
         # 3. across chunks
         g_states, g_d, g_init = _carry_states_bwd(prev, d, g_prev.view(b, c, H, P, N), g_final)
         g_last = g_d * d  # d = exp(last) (or 0): d d / d last = d
-        if init is None or not ctx.needs_input_grad[6]:
+        if init is None or not need_init:
             g_init = None
 
         # 2. chunk states = (x dt w_end)ᵀ B
@@ -415,7 +433,79 @@ class _SSDCore(torch.autograd.Function):
         g_A = (g_a * dt.reshape(b, c, Q, H)).sum((0, 1, 2))
         g_B = g_Bg.transpose(2, 3).reshape(b, Tp, G, N)
         g_C = g_Cg.transpose(2, 3).reshape(b, Tp, G, N)
-        return g_x, g_dt, g_A, g_B, g_C, g_D, g_init, None, None
+        return g_x, g_dt, g_A, g_B, g_C, g_D, g_init
+
+
+# _SSDCore as a pair of custom ops with a registered autograd formula: torch.compile sees one opaque node per
+# direction (their out= / in-place block loops and views never reach inductor), and eager runs the same code.
+@torch.library.custom_op("safepad::ssd_core", mutates_args=())
+def _ssd_core_op(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, init: Tensor | None, seq: Tensor | None,
+    Q: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.contiguous() for t in _SSDCore.fwd(x, dt, A, B, C, D, init, seq, Q))  # the fake's strides
+
+
+@_ssd_core_op.register_fake
+def _(x, dt, A, B, C, D, init, seq, Q):
+    b, Tp, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    c = Tp // Q
+    return (
+        x.new_empty(b, Tp, H, P),  # y
+        x.new_empty(b, H, P, N),  # final
+        x.new_empty(b, c, H),  # d
+        x.new_empty(b, c, H, P, N),  # prev
+        x.new_empty(b * c * G, Q, (H // G) * P),  # y_off
+    )
+
+
+@torch.library.custom_op("safepad::ssd_core_bwd", mutates_args=())
+def _ssd_core_bwd_op(
+    gy: Tensor | None, g_final: Tensor | None, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Tensor | None, init: Tensor | None, seq: Tensor | None, d: Tensor, prev: Tensor, y_off: Tensor, Q: int,
+    need_D: bool, need_init: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    g = _SSDCore.bwd(gy, g_final, x, dt, A, B, C, D, init, seq, d, prev, y_off, Q, need_D, need_init)
+    g = (*g[:5], x.new_empty(0) if g[5] is None else g[5], x.new_empty(0) if g[6] is None else g[6])
+    return tuple(t.contiguous() for t in g)  # the fake's strides
+
+
+@_ssd_core_bwd_op.register_fake
+def _(gy, g_final, x, dt, A, B, C, D, init, seq, d, prev, y_off, Q, need_D, need_init):
+    g_D = x.new_empty(D.shape) if D is not None and need_D else x.new_empty(0)
+    g_init = x.new_empty(init.shape) if init is not None and need_init else x.new_empty(0)
+    return (x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+            C.new_empty(C.shape), g_D, g_init)
+
+
+def _ssd_core_setup(ctx, inputs, output):
+    x, dt, A, B, C, D, init, seq, Q = inputs
+    _, _, d, prev, y_off = output
+    ctx.mark_non_differentiable(d, prev, y_off)
+    ctx.set_materialize_grads(False)
+    ctx.Q = Q
+    ctx.has_D, ctx.has_init = D is not None, init is not None
+    ctx.save_for_backward(x, dt, A, B, C, D, init, seq, d, prev, y_off)
+
+
+def _ssd_core_backward(ctx, gy, g_final, *_unused):
+    x, dt, A, B, C, D, init, seq, d, prev, y_off = ctx.saved_tensors
+    need_D = ctx.has_D and ctx.needs_input_grad[5]
+    need_init = ctx.has_init and ctx.needs_input_grad[6]
+    g_x, g_dt, g_A, g_B, g_C, g_D, g_init = _ssd_core_bwd_op(
+        gy, g_final, x, dt, A, B, C, D, init, seq, d, prev, y_off, ctx.Q, need_D, need_init
+    )
+    return g_x, g_dt, g_A, g_B, g_C, (g_D if need_D else None), (g_init if need_init else None), None, None
+
+
+_ssd_core_op.register_autograd(_ssd_core_backward, setup_context=_ssd_core_setup)
+
+
+def _ssd_core(x, dt, A, B, C, D, init, seq, Q: int) -> tuple[Tensor, Tensor]:
+    """:class:`_SSDCore` through its custom op: ``(y [b, Tp, H, P], final [b, H, P, N])``."""
+    y, final, _, _, _ = _ssd_core_op(x, dt, A, B, C, D, init, seq, Q)
+    return y, final
 
 
 def _ssd_chunked(
@@ -450,7 +540,7 @@ def _ssd_chunked(
             seq_idx = torch.cat([seq_idx, seq_idx[:, -1:].expand(b, pad)], dim=1)  # [b, Tp]
     if want_varlen:
         return _ssd_autograd(x, dt, A, B, C, D, seq_idx, seq_full, initial_state, Q, T)
-    y, final = _SSDCore.apply(x, dt, A, B, C, D, initial_state, seq_idx, Q)
+    y, final = _ssd_core(x, dt, A, B, C, D, initial_state, seq_idx, Q)
     return y[:, :T], final, None
 
 
@@ -480,7 +570,7 @@ def _ssd_autograd(
 
     # 1. intra-chunk (diagonal blocks): y_l = sum_{s<=l, same seq} (C_l·B_s) exp(acs_l - acs_s) dt_s x_s
     CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
-    y = _IntraChunk.apply(acs, CB, xdt_c, keep)  # [b, c, H, Q, P]
+    y = _intra_chunk(acs, CB, xdt_c, keep)  # [b, c, H, Q, P]
 
     # 2. chunk states: contribution of each chunk's tokens (of the chunk's last sequence) to its end state
     w_end, w_out = _chunk_weights(acs, same_last, same_prev)  # [b, c, H, Q] each

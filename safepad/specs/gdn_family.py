@@ -1,5 +1,5 @@
-"""Specs for the gated-delta-rule family (Qwen3-Next, Qwen3.5 / MoE, OLMo-Hybrid, Kimi-Linear) and LFM2's
-(and LFM2-MoE's) short conv.
+"""Specs for the gated-delta-rule family (Qwen3-Next, Qwen3.5 / MoE, LaraMini, OLMo-Hybrid, Kimi-Linear and the
+Kimi-style KDA of Bailing-Hybrid) and the short conv of LFM2, LFM2-MoE and LFM3.
 
 All are hybrids (linear-attention / conv layers interleaved with full attention). Their model forwards
 pass ``position_ids`` to ``create_causal_mask``, so the restarting ``position_ids`` safepad synthesises for
@@ -38,6 +38,20 @@ _QWEN3_5 = {
     "gate": ("in_proj_z",),
 }
 
+#: Kimi Delta Attention (kimi_linear): separate q/k/v, per-key-channel decay module, low-rank gate.
+_KDA = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "beta": "b_proj",
+    "decay": "module",
+    "decay_module": "forget_gate",
+    "gate": ("g_a_proj", "g_b_proj"),
+    "norm": "o_norm",
+    "out": "o_proj",
+    "key_dim": "qkv_dim",
+    "key_head_dim": "head_dim",
+    "value_head_dim": "head_dim",
+}
+
 GDN_FAMILY = tuple(
     register(s)
     for s in (
@@ -49,6 +63,7 @@ GDN_FAMILY = tuple(
         ),
         _gdn("qwen3_5", "Qwen3_5GatedDeltaNet", _QWEN3_5, "fused qkv projection; z / b / a projected separately"),
         _gdn("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _QWEN3_5, "as qwen3_5 (MoE feed-forward)"),
+        _gdn("lara_mini", "LaraMiniGatedDeltaNet", _QWEN3_5, "as qwen3_5 (transformers 5.24; MoE, sliding attention)"),
         _gdn(
             "olmo_hybrid",
             "OlmoHybridGatedDeltaNet",
@@ -67,19 +82,14 @@ GDN_FAMILY = tuple(
         _gdn(
             "kimi_linear",
             "KimiLinearDeltaAttention",
-            {
-                "qkv": ("q_proj", "k_proj", "v_proj"),
-                "beta": "b_proj",
-                "decay": "module",
-                "decay_module": "forget_gate",
-                "gate": ("g_a_proj", "g_b_proj"),
-                "norm": "o_norm",
-                "out": "o_proj",
-                "key_dim": "qkv_dim",
-                "key_head_dim": "head_dim",
-                "value_head_dim": "head_dim",
-            },
+            _KDA,
             "Kimi Delta Attention: per-key-channel decay from forget_gate, low-rank sigmoid output gate",
+        ),
+        _gdn(
+            "bailing_hybrid",
+            "BailingHybridDeltaAttention",
+            {**_KDA, "gate": ("g_proj",)},
+            "Kimi Delta Attention with a one-projection sigmoid output gate and a bounded forget gate",
         ),
     )
 )
@@ -101,5 +111,6 @@ SHORT_CONV_FAMILY = tuple(
     for s in (
         _short_conv("lfm2", "Lfm2ShortConv", "gated depthwise short conv (conv state only)"),
         _short_conv("lfm2_moe", "Lfm2MoeShortConv", "as lfm2 (MoE feed-forward)"),
+        _short_conv("lfm3", "Lfm3ShortConv", "as lfm2 (sliding + full attention, gated attention)"),
     )
 )

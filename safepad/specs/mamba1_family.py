@@ -1,4 +1,4 @@
-"""Specs for the Mamba1 family: Mamba, FalconMamba and Jamba, one generic mixer.
+"""Specs for the Mamba1 family: Mamba, FalconMamba, Jamba and Zamba (multi-head), one generic mixer.
 
 Options read by :func:`safepad.mixers.mamba1.mamba1_mixer_forward`: ``dt_norm`` / ``b_norm`` / ``c_norm``
 name the mixer's norm submodules applied to ``dt_low`` (before ``dt_proj``), ``B`` and ``C`` right after
@@ -47,6 +47,13 @@ MAMBA1_FAMILY = tuple(
             hybrid=True,
             options=_BCDT_NORMS,
             description="RMS norms (with weights) on dt_low, B and C; attention layers see packed position_ids",
+        ),
+        _spec(
+            "zamba",
+            "ZambaMambaMixer",
+            hybrid=True,
+            options={"heads": True, "accelerate_children": ("conv1d",)},
+            description="multi-head Mamba1: interleaved x / z, per-head x_proj / dt_proj / A / D, shared attention",
         ),
     )
 )

@@ -25,10 +25,14 @@ __all__ = [
     "CACHE_PARAMS_FAMILIES",
     "EXTRA_FAMILIES",
     "FAMILIES",
+    "FAMILY_MIN_TRANSFORMERS",
     "GDN_FAMILIES",
     "MAMBA1_FAMILIES",
     "MAMBA2_FAMILIES",
     "MODEL_TYPE_FAMILIES",
+    "NEW_FAMILIES",
+    "UNSUPPORTED_TINY_FAMILIES",
+    "family_available",
     "family_names",
     "find_mixers",
     "strengthen_mixers",
@@ -231,6 +235,232 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Families added for transformers 5.23-5.24 (new entries; the reference matrix above is unchanged).
+# --------------------------------------------------------------------------------------------------------------
+
+#: Further families with a tiny config: Mamba1 multi-head (zamba), short conv (lfm3), Gated DeltaNet (lara_mini),
+#: Kimi Delta Attention (bailing_hybrid) and VLM wrappers whose language model is a supported family.
+NEW_FAMILIES: tuple[str, ...] = (
+    "zamba",
+    "lfm3",
+    "lara_mini",
+    "bailing_hybrid",
+    "lfm2_vl",
+    "lfm3_vl",
+    "nemotron_h_omni",
+    "inkling_text",
+    "inkling2_text",
+    "inkling2_loop_text",
+    "zaya",
+)
+#: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
+#: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
+UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ("glm5_next",)
+#: the transformers release each family first appears in (families absent from the installed one cannot be built)
+FAMILY_MIN_TRANSFORMERS: dict[str, str] = {"lara_mini": "5.24.0", "inkling2_loop_text": "5.24.0"}
+#: auto class building each family (default ``AutoModelForCausalLM``): VLM wrappers are image-text-to-text models
+_AUTO_CLASS: dict[str, str] = {
+    "glm5_next": "AutoModelForImageTextToText",
+    "lfm2_vl": "AutoModelForImageTextToText",
+    "lfm3_vl": "AutoModelForImageTextToText",
+    "nemotron_h_omni": "AutoModelForImageTextToText",
+}
+
+_LFM3_TEXT: dict[str, Any] = {
+    **_ATTN,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "layer_types": ["conv", "sliding_attention", "full_attention"],
+    "head_dim": 16,
+    "sliding_window": 64,  # longer than every audit row: see README limits (sliding window x right padding)
+    "conv_L_cache": 4,
+}
+_KDA_TEXT: dict[str, Any] = {
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_conv_kernel_dim": 4,
+}
+_INKLING_TEXT: dict[str, Any] = {
+    **_ATTN,
+    "num_hidden_layers": 2,
+    "head_dim": 16,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "sliding_window_size": 64,  # longer than every audit row (see README limits)
+    "rel_extent": 64,
+    "d_rel": 4,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "layer_types": ["hybrid_sliding", "hybrid"],
+    "n_layers_per_attn_res_block": 1,
+}
+_TINY.update(
+    {
+        "zaya": {
+            **_ATTN,
+            "num_hidden_layers": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "router_hidden_size": 16,
+            "cca_time0": 3,  # conv state 3 = (3 - 1) + (2 - 1) inputs
+            "cca_time1": 2,
+        },
+        "inkling_text": dict(_INKLING_TEXT),
+        "inkling2_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},
+        "inkling2_loop_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},
+        "zamba": {
+            "num_hidden_layers": 4,
+            "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "intermediate_size": 128,
+            "attention_hidden_size": 128,
+            "attention_head_dim": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_mamba_heads": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 8,
+        },
+        "lfm3": dict(_LFM3_TEXT),
+        "lara_mini": {
+            **_QWEN_GDN,
+            **_QWEN_MOE,
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "sliding_attention", "full_attention"],
+            "sliding_window": 64,
+        },
+        "bailing_hybrid": {
+            **_KDA_TEXT,
+            "layer_types": ["linear_attention", "full_attention"],
+            "mlp_layer_types": ["dense", "sparse"],
+            "num_experts": 4,
+            "num_experts_per_token": 2,
+            "num_shared_experts": 1,
+            "num_expert_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "head_dim": 16,
+            "num_nextn_predict_layers": 0,
+        },
+        "glm5_next": {
+            "text_config": {
+                **_COMMON,
+                **_KDA_TEXT,
+                "num_hidden_layers": 3,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                "mlp_layer_types": ["dense", "sparse", "dense"],
+                "indexer_types": ["full", "full", "full"],
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 1,
+                "kv_lora_rank": 16,
+                "q_lora_rank": 32,
+                "qk_rope_head_dim": 0,  # its indexed (DSA) attention layers are NoPE
+                "qk_nope_head_dim": 16,
+                "v_head_dim": 16,
+                "index_head_dim": 16,
+                "index_n_heads": 2,
+                "index_topk": 64,
+                "hc_mult": 2,
+            },
+            "vision_config": {
+                "depth": 1,
+                "hidden_size": 32,
+                "num_heads": 2,
+                "intermediate_size": 64,
+                "out_hidden_size": 64,
+                "projection_intermediate_size": 64,
+            },
+            "image_token_id": 250,
+            "video_token_id": 251,
+            "image_start_token_id": 252,
+            "image_end_token_id": 253,
+            "video_start_token_id": 254,
+            "video_end_token_id": 255,
+        },
+        "lfm2_vl": {
+            "text_config": {**_COMMON, "model_type": "lfm2", **_TINY["lfm2"]},
+            "vision_config": {
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2
+            },
+            "image_token_id": 250,
+            "projector_hidden_size": 64,
+        },
+        "lfm3_vl": {
+            "text_config": {**_COMMON, "model_type": "lfm3", **_LFM3_TEXT},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "layer_types": ["conv", "full_attention"],
+            },
+            "image_token_id": 250,
+            "video_token_id": 251,
+            "vision_start_token_id": 252,
+            "vision_end_token_id": 253,
+            "projector_hidden_size": 64,
+        },
+        "nemotron_h_omni": {
+            "text_config": {**_COMMON, "model_type": "nemotron_h", **_TINY["nemotron_h"]},
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                              "video_temporal_patch_size": 2},
+            "vision_hidden_size": 32,
+            "projector_hidden_size": 64,
+            "image_token_id": 250,
+        },
+    }
+)
+
+
+@torch.no_grad()
+def _strengthen_inkling(model: nn.Module, seed: int, std: float = 0.5) -> None:
+    """Inkling2's dynamic short convolutions own no ``Conv1d`` (:func:`find_mixers` misses them): draw their static
+    taps and tap projection from N(0, std²). Inkling's tiny logits are ~1e-2 at init (a 1e-4 tolerance would then
+    tell nothing): its output head is drawn from N(0, 0.3²) too."""
+    if not str(getattr(model.config, "model_type", "")).startswith("inkling"):
+        return
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    for module in model.modules():
+        if type(module).__name__.endswith("DynamicShortConvolution"):
+            for p in (module.static_weight, module.weight_proj.weight):
+                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p))
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.weight.copy_((torch.randn(head.weight.shape, generator=gen) * 0.3).to(head.weight))
+
+
+def family_available(family: str) -> tuple[bool, str]:
+    """(whether the installed transformers has ``family``, the reason when it does not)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family in CONFIG_MAPPING:
+        return True, ""
+    import transformers
+
+    need = FAMILY_MIN_TRANSFORMERS.get(family, "a later release")
+    return False, f"{family} needs transformers >= {need} (installed: {transformers.__version__})"
+
+
 #: transformers model types (``safepad.supported_model_types()``) whose tiny model is their text model: the
 #: Qwen3.5 checkpoints are VLMs around a ``qwen3_5_text`` / ``qwen3_5_moe_text`` language model. Either name
 #: builds the same tiny model, so every supported model type is a valid ``safepad audit --family``.
@@ -238,16 +468,19 @@ MODEL_TYPE_FAMILIES: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe":
 
 
 def family_names() -> tuple[str, ...]:
-    """Every name :func:`tiny_model` accepts: :data:`FAMILIES`, :data:`EXTRA_FAMILIES` and the model-type aliases."""
-    return FAMILIES + EXTRA_FAMILIES + tuple(k for k in MODEL_TYPE_FAMILIES if k not in _TINY)
+    """Every supported name :func:`tiny_model` accepts: the family tuples and the model-type aliases."""
+    return FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES + tuple(k for k in MODEL_TYPE_FAMILIES if k not in _TINY)
 
 
 def _check_family(family: str) -> str:
     """The tiny family ``family`` names (an alias of :data:`MODEL_TYPE_FAMILIES` resolved); raises if unknown."""
     family = MODEL_TYPE_FAMILIES.get(family, family)
     if family not in _TINY:
-        known = ", ".join(family_names())
+        known = ", ".join(family_names() + UNSUPPORTED_TINY_FAMILIES)
         raise ValueError(f"family: unknown family {family!r}; choose one of {known}")
+    ok, why = family_available(family)
+    if not ok:
+        raise ValueError(f"family: {why}")
     return family
 
 
@@ -321,18 +554,21 @@ def tiny_model(
         dtype: parameter dtype.
         **config_overrides: forwarded to :func:`tiny_config`.
     """
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    family = MODEL_TYPE_FAMILIES.get(family, family)
     config = tiny_config(family, **config_overrides)
+    auto = getattr(transformers, _AUTO_CLASS.get(family, "AutoModelForCausalLM"))
     devnull = logging.getLogger("transformers")
     level = devnull.level
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         devnull.setLevel(logging.ERROR)  # "use_mamba_kernels is deprecated" etc. on every tiny build
         try:
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto.from_config(config)
         finally:
             devnull.setLevel(level)
     if strengthen:
         strengthen_mixers(model, seed=seed)
+        _strengthen_inkling(model, seed)
     return model.to(dtype).eval()

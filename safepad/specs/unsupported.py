@@ -1,0 +1,46 @@
+"""The one registry of recurrent families safepad knows about but does not (yet) make padding-correct.
+
+Every ``config.model_type`` whose modules keep conv / recurrent cache state (found by
+:func:`safepad.specs.discovery.discover_recurrent_families`) is either served by a spec (its stateful mixer
+classes are all claimed in :mod:`safepad.specs.registry`) or listed here with a one-line reason. The
+discovery test fails for a family that is neither, so a transformers release that adds one is noticed.
+``safepad.wrap`` raises :class:`~safepad.UnsupportedModelError` with the reason for a model of a listed family,
+and the guard warns for it like for any other unwrapped recurrent model.
+
+A few families are listed although they exist only in some transformers versions; an entry for a model type
+the installed transformers does not have is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = ["UNSUPPORTED_FAMILIES", "unsupported_reason"]
+
+_RG = "RG-LRU + conv state kept on the modules (not in the cache); needs an RG-LRU core and a module-state adapter"
+UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
+    {
+        "recurrent_gemma": _RG,
+        "minimax": "lightning attention (decayed linear attention, no conv) with its own linear cache; no core yet",
+        "qwen4_exp": (
+            "besides its Gated DeltaNet, PLE layers keep a dilated-conv state and a hashed n-gram token-id state "
+            "that resets only at EOS; both need their own padding-correct core"
+        ),
+        "qwen4_exp_text": "text model of qwen4_exp (same PLE dilated-conv and n-gram states)",
+        "glm5_next": (
+            "its KDA layers are the kimi_linear mixer, but its indexed (DSA) attention ignores packed boundaries and "
+            "pools keys across pads (attention-side; audit: packed 1.7e-2, right-pad decode 1.6e-3 when wrapped)"
+        ),
+        "glm5_next_text": "text model of glm5_next (same indexed attention)",
+        "lfm3_vl_vision": (
+            "not a causal model: its 'conv' layer type is a 2-D spatial conv over image patches that never "
+            "reads or writes a cache (the lfm3_vl language model is supported)"
+        ),
+    }
+)
+
+
+def unsupported_reason(model_type: str) -> str | None:
+    """The one-line reason ``model_type`` is not supported, or ``None`` when it is not listed."""
+    return UNSUPPORTED_FAMILIES.get(model_type)
