@@ -4,7 +4,8 @@
 #   .venv         newest end: constraints/newest.txt (transformers 5.24.0), what `pip install safepad` gives
 #                 today; `make demo` and `make bench` use it
 #   .venv-oldest  oldest supported pins: constraints/tested.txt (transformers 5.23.0)
-# `make test` = test-newest + test-oldest, one after the other (each end: ~70 s set-up once, ~1-2 min suite).
+# `make test` = test-newest + test-oldest + test-kernels, one after the other (each venv: ~70 s set-up once;
+# the kernel venv builds mamba-ssm / causal-conv1d from source, a few minutes).
 #
 # The CPU build of torch is installed before the package so that pip never pulls
 # a multi-GB CUDA build.  Override it for your own machine, e.g.
@@ -19,12 +20,12 @@ TORCH_SPEC  ?= torch==2.13.0
 PYTEST_ARGS ?=
 BIN         := $(VENV)/bin
 BIN_OLDEST  := $(VENV_OLDEST)/bin
-# the targets `make test` runs (other tiers, e.g. a kernel tier, are appended here)
-TEST_TARGETS ?= test-newest test-oldest
+# the targets `make test` runs: the suite at both ends, then the kernel-route tier
+TEST_TARGETS ?= test-newest test-oldest test-kernels
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-oldest test test-newest test-oldest demo bench clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-kernels demo bench clean
 
 # $(1): venv directory, $(2): constraints file
 define make_venv
@@ -50,6 +51,28 @@ test-newest: setup
 	@echo "== test suite, newest end: $$($(BIN)/python -c 'import transformers; print("transformers", transformers.__version__)')"
 	$(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
 
+# The kernel-route tier: the CUDA dispatch of safepad.ops run on CPU (Triton interpreter + C++ stand-ins), in its
+# own venv and process (TRITON_INTERPRET must be set before triton is imported). KERNEL_TIER=full runs the whole
+# audit matrix with kernels (slow). mamba-ssm / causal-conv1d are built from source without their CUDA parts and
+# without their GPU-only dependencies (tilelang, quack-kernels, cutlass: optional imports, ~1 GB).
+KVENV       ?= .venv-kernels
+KERNEL_TIER ?= 1
+KERNEL_PYTEST_ARGS ?=
+KPIP        := $(KVENV)/bin/pip -q
+KCONS       := -c $(OLDEST) -c constraints/kernels.txt
+
+$(KVENV)/.installed: pyproject.toml $(OLDEST) constraints/kernels.txt
+	$(PYTHON) -m venv $(KVENV)
+	@if [ -n "$(TORCH_SPEC)" ]; then $(KPIP) install $(TORCH_SPEC); fi
+	$(KPIP) install $(KCONS) triton einops ninja packaging setuptools wheel
+	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation --no-deps mamba-ssm
+	CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE $(KPIP) install $(KCONS) --no-build-isolation --no-deps causal-conv1d
+	$(KPIP) install $(KCONS) flash-linear-attention -e ".[dev]"
+	@touch $@
+
+test-kernels: $(KVENV)/.installed
+	SAFEPAD_KERNEL_TIER=$(KERNEL_TIER) TRITON_INTERPRET=1 $(KVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(KERNEL_PYTEST_ARGS) tests/kernels
+
 test-oldest: setup-oldest
 	@echo "== test suite, oldest end: $$($(BIN_OLDEST)/python -c 'import transformers; print("transformers", transformers.__version__)')"
 	$(BIN_OLDEST)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
@@ -68,4 +91,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_sequence_parallel.py
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) .pytest_cache .hypothesis *.egg-info

@@ -1,11 +1,15 @@
-"""One-shot GPU check (<= 5 min on one GPU): CUDA kernels == safepad's torch core, with timings.
+"""One-shot GPU check (< 10 min on one GPU): CUDA kernels == safepad's torch core, then mixer speed.
 
-    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py              # on a GPU with mamba-ssm, causal-conv1d (and FLA)
+    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --emulate   # CPU: the same routes, tiny shapes
 
-With CUDA and the kernels (mamba-ssm, causal-conv1d) present it runs every function in ``CHECKS`` on
-random varlen inputs in fp32 and bf16 and prints one table row per case: max relative error of the
-kernel path against the torch core, the tolerance, and both timings. Without them it runs a quick
-torch-core self-check on CPU, prints ``skipping kernel half: <reason>`` and exits 0.
+Part 1 runs every function in ``CHECKS`` on random packed / padded / stateful inputs in fp32 and bf16 and
+prints one row per route: max relative error of the kernel path against the torch core (forward, and
+gradients where the route has a backward), the tolerance, and both timings. Part 2 (GPU only) times
+fwd+bwd of a wrapped Mamba2 mixer against mamba-ssm's own ``Mamba2`` module (the raw fused kernels) on the
+same shapes and prints the ratio (target <= 1.05). Without CUDA it runs a torch-core self-check, prints
+``skipping kernel half: <reason>`` and exits 0; ``--emulate`` runs part 1 on CPU through
+``safepad.testing.kernel_emulation`` (Triton interpreter, C++ stand-ins) at small shapes.
 
 Extend it by appending a function to ``CHECKS``: ``check(device: str) -> list[Row]``. With CUDA (kernels or
 not) it also runs ``check_fsdp2_accelerate``: the FSDP2 recipe through accelerate, which cannot run on CPU.
@@ -26,9 +30,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from safepad.ops import causal_conv1d, causal_conv1d_step, kernels, ssd_scan, ssd_step
+if __name__ == "__main__" and "--emulate" in sys.argv:  # before anything imports triton
+    import os
 
-TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from safepad.testing import kernel_emulation
+
+    kernel_emulation.install()
+
+from safepad.ops import (  # noqa: E402
+    causal_conv1d,
+    causal_conv1d_step,
+    chunk_gated_delta_rule,
+    kernels,
+    selective_scan,
+    selective_state_step,
+    ssd_scan,
+    ssd_step,
+)
+
+#: shape scale: 1 on a GPU; the emulation divides sequence lengths and widths (the interpreter is slow)
+SMALL = False
+
+
+def S(n: int, small: int) -> int:
+    """``n`` on a GPU, ``small`` under ``--emulate``."""
+    return small if SMALL else n
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @dataclass
@@ -53,6 +82,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def timed(fn: Callable[[], object], reps: int = 5) -> tuple[object, float]:
     """Result of ``fn`` and its best time in ms (synchronising on CUDA)."""
     out = fn()
+    if SMALL:
+        reps = 0
     best = float("inf")
     for _ in range(reps):
         if torch.cuda.is_available():
@@ -80,6 +111,8 @@ def varlen_seq_idx(Bsz: int, T: int, seed: int, device: str, max_seqs: int = 6) 
 
 
 def ssd_inputs(Bsz: int, T: int, device: str, dtype: torch.dtype, H=16, P=64, G=2, N=64, seed=0) -> dict:
+    if SMALL:
+        H, P, G, N = 2, 8, 1, 8
     g = torch.Generator(device=device).manual_seed(seed)
 
     def r(*s, scale=1.0):
@@ -99,7 +132,7 @@ def ssd_inputs(Bsz: int, T: int, device: str, dtype: torch.dtype, H=16, P=64, G=
 
 def check_conv(device: str) -> list[Row]:
     rows = []
-    Bsz, T, D, K = 4, 4096, 1280, 4
+    Bsz, T, D, K = 4, S(4096, 40), S(1280, 16), 4
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator(device=device).manual_seed(1)
         x = torch.randn(Bsz, T, D, generator=g, device=device).to(dtype)
@@ -107,10 +140,12 @@ def check_conv(device: str) -> list[Row]:
         b = torch.randn(D, generator=g, device=device)
         init = torch.randn(Bsz, D, K, generator=g, device=device).to(dtype)
         mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
-        mask[1, 3000:] = False
+        mask[1, T - T // 4 :] = False
         cases = {
             "conv varlen (seq_idx)": {"seq_idx": varlen_seq_idx(Bsz, T, 2, device)},
-            "conv init+mask+state": {"initial_state": init, "token_mask": mask, "return_final_state": True, "state_len": K},
+            "conv init+mask+state": {
+                "initial_state": init, "token_mask": mask, "return_final_state": True, "state_len": K,
+            },
         }
         for name, kw in cases.items():
             with torch.no_grad():
@@ -125,13 +160,14 @@ def check_conv(device: str) -> list[Row]:
 
 def check_scan(device: str) -> list[Row]:
     rows = []
-    Bsz, T = 2, 4096
-    for dtype in (torch.float32, torch.bfloat16):
+    Bsz, T, chunk = 2, S(4096, 24), S(256, 8)
+    # the Triton interpreter's tl.dot is wrong for bfloat16 (numpy has no bf16): --emulate checks float16
+    for dtype in (torch.float32, torch.float16 if SMALL else torch.bfloat16):
         t = ssd_inputs(Bsz, T, device, dtype)
         seq = varlen_seq_idx(Bsz, T, 3, device)
         mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
-        mask[1, 4000:] = False
-        kw = {"chunk_size": 256, "D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": (0.01, 0.5), "seq_idx": seq,
+        mask[1, T - T // 8 :] = False
+        kw = {"chunk_size": chunk, "D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": (0.01, 0.5), "seq_idx": seq,
                   "initial_state": t["initial_state"], "token_mask": mask, "return_final_state": True}
         args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
         with torch.no_grad():
@@ -142,13 +178,31 @@ def check_scan(device: str) -> list[Row]:
         rows.append(Row("scan varlen+init+mask", str(dtype).removeprefix("torch."), err, TOL[dtype], tk, tt))
     t = ssd_inputs(1, T, device, torch.float32, seed=4)
     seq = varlen_seq_idx(1, T, 5, device, max_seqs=12)
-    kw = {"chunk_size": 256, "D": t["D"], "dt_bias": t["dt_bias"], "seq_idx": seq, "initial_state": t["initial_state"],
-              "return_varlen_states": True}
+    kw = {"chunk_size": chunk, "D": t["D"], "dt_bias": t["dt_bias"], "seq_idx": seq, "return_varlen_states": True}
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
     with torch.no_grad():
         (yk, vk), tk = timed(lambda: ssd_scan(*args, backend="kernels", **kw))
         (yt, vt), tt = timed(lambda: ssd_scan(*args, backend="torch", **kw))
-    rows.append(Row("scan varlen states (B=1)", "float32", max(rel_err(yk, yt), rel_err(vk, vt)), TOL[torch.float32], tk, tt))
+    err = max(rel_err(yk, yt), rel_err(vk, vt))
+    rows.append(Row("scan varlen states (B=1)", "float32", err, TOL[torch.float32], tk, tt))
+    # backward through the Triton kernels: packed rows + initial state, every input's gradient
+    t = ssd_inputs(Bsz, T, device, torch.float32, seed=6)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in t.items()}
+    seq = varlen_seq_idx(Bsz, T, 7, device)
+    grads = {}
+    for backend in ("kernels", "torch"):
+        for v in leaves.values():
+            v.grad = None
+
+        def step():
+            y, fin = ssd_scan(**leaves, chunk_size=chunk, seq_idx=seq, dt_limit=(0.0, 0.5), return_final_state=True,
+                              backend=backend)
+            (y.square().mean() + fin.square().mean()).backward()
+
+        _, ms = timed(step)
+        grads[backend] = ({k: v.grad.clone() for k, v in leaves.items()}, ms)
+    err = max(rel_err(grads["kernels"][0][k], grads["torch"][0][k]) for k in leaves)
+    rows.append(Row("scan fwd+bwd grads (packed+init)", "float32", err, 1e-2, grads["kernels"][1], grads["torch"][1]))
     return rows
 
 
@@ -163,14 +217,74 @@ def check_step(device: str) -> list[Row]:
             (yt, st), tt = timed(partial(ssd_step, *args, backend="torch", **kw))
         rows.append(Row(f"ssd_step dt_limit={lim}", "float32", max(rel_err(yk, yt), rel_err(sk, st)), 1e-4, tk, tt))
     g = torch.Generator(device=device).manual_seed(2)
-    x = torch.randn(8, 1280, generator=g, device=device)
-    state = torch.randn(8, 1280, 4, generator=g, device=device)
-    w, b = torch.randn(1280, 4, generator=g, device=device), torch.randn(1280, generator=g, device=device)
+    D = S(1280, 16)
+    x = torch.randn(8, D, generator=g, device=device)
+    state = torch.randn(8, D, 4, generator=g, device=device)
+    w, b = torch.randn(D, 4, generator=g, device=device), torch.randn(D, generator=g, device=device)
     with torch.no_grad():
         (yk, sk), tk = timed(lambda: causal_conv1d_step(x, state, w, b, activation="silu", backend="kernels"))
         (yt, st), tt = timed(lambda: causal_conv1d_step(x, state, w, b, activation="silu", backend="torch"))
     rows.append(Row("conv step", "float32", max(rel_err(yk, yt), rel_err(sk, st)), 1e-5, tk, tt))
     return rows
+
+
+def check_mamba1(device: str) -> list[Row]:
+    """selective_scan_fn (fwd+bwd, one sequence per row) and selective_state_update (decode)."""
+    g = torch.Generator(device=device).manual_seed(8)
+    Bsz, T, Dm, N = 2, S(2048, 12), S(1536, 16), 16
+    r = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
+    inp = {"u": r(Bsz, T, Dm), "delta": r(Bsz, T, Dm) * 0.5 - 1, "A": -torch.rand(Dm, N, generator=g, device=device),
+           "B": r(Bsz, T, N), "C": r(Bsz, T, N), "D": r(Dm), "z": r(Bsz, T, Dm), "delta_bias": r(Dm) * 0.3}
+    leaves = {k: v.requires_grad_() for k, v in inp.items()}
+    res = {}
+    for backend in ("kernels", "torch"):
+        for v in leaves.values():
+            v.grad = None
+
+        def step():
+            y = selective_scan(**leaves, backend=backend)
+            y.square().mean().backward()
+            return y.detach()
+
+        y, ms = timed(step)
+        res[backend] = (y, {k: v.grad.clone() for k, v in leaves.items()}, ms)
+    err = max(rel_err(res["kernels"][0], res["torch"][0]),
+              *(rel_err(res["kernels"][1][k], res["torch"][1][k]) for k in leaves))
+    rows = [Row("mamba1 selective_scan fwd+bwd", "float32", err, 1e-3, res["kernels"][2], res["torch"][2])]
+    st = r(Bsz, Dm, N)
+    args = (st, r(Bsz, Dm), r(Bsz, Dm), inp["A"].detach(), r(Bsz, N), r(Bsz, N))
+    with torch.no_grad():
+        zz = r(Bsz, Dm)
+        (yk, sk), tk = timed(lambda: selective_state_step(*args, D=inp["D"].detach(), z=zz, backend="kernels"))
+        (yt, s_t), tt = timed(lambda: selective_state_step(*args, D=inp["D"].detach(), z=zz, backend="torch"))
+    rows.append(Row("mamba1 selective_state_step", "float32", max(rel_err(yk, yt), rel_err(sk, s_t)), 1e-4, tk, tt))
+    return rows
+
+
+def check_fla(device: str) -> list[Row]:
+    """FLA chunk_gated_delta_rule on a packed, padded bf16 batch with initial states (skipped without FLA)."""
+    if kernels.fla_chunk_gated_delta_rule is None:
+        return []
+    if SMALL:  # fla 0.6.0's chunk_delta_h stops with a Triton interpreter error: GPU only
+        print("fla chunk_gated_delta_rule: not runnable under the Triton interpreter (checked on a GPU only)")
+        return []
+    g = torch.Generator(device=device).manual_seed(9)
+    Bsz, T, H, Dk = 2, S(2048, 16), 8, S(128, 16)
+    k = torch.nn.functional.normalize(torch.randn(Bsz, T, H, Dk, generator=g, device=device), dim=-1)
+    inp = {"q": torch.randn(Bsz, T, H, Dk, generator=g, device=device).bfloat16(), "k": k.bfloat16(),
+           "v": torch.randn(Bsz, T, H, Dk, generator=g, device=device).bfloat16(),
+           "g": -torch.rand(Bsz, T, H, generator=g, device=device) * 0.3,
+           "beta": torch.rand(Bsz, T, H, generator=g, device=device).bfloat16()}
+    mask = torch.ones(Bsz, T, dtype=torch.bool, device=device)
+    mask[1, T - T // 4 :] = False
+    kw = {"seq_idx": varlen_seq_idx(Bsz, T, 10, device), "token_mask": mask, "use_qk_l2norm": True,
+          "initial_state": torch.randn(Bsz, H, Dk, Dk, generator=g, device=device) * 0.1, "return_final_state": True}
+    with torch.no_grad():
+        (ok, fk), tk = timed(lambda: chunk_gated_delta_rule(**inp, backend="kernels", **kw))
+        fp32 = {n: v.float() for n, v in inp.items()}
+        (ot, ft), tt = timed(lambda: chunk_gated_delta_rule(**fp32, backend="torch", **kw))
+    err = max(rel_err(ok.float()[mask], ot[mask]), rel_err(fk, ft))
+    return [Row("fla chunk_gated_delta_rule packed+pad+init", "bfloat16", err, TOL[torch.bfloat16], tk, tt)]
 
 
 def check_models(device: str) -> list[Row]:
@@ -203,7 +317,53 @@ def check_models(device: str) -> list[Row]:
 
 
 # Each check is ``check(device) -> list[Row]``; model-level checks (safepad.wrap) come last.
-CHECKS: list[Callable[[str], list[Row]]] = [check_conv, check_scan, check_step, check_models]
+CHECKS: list[Callable[[str], list[Row]]] = [check_conv, check_scan, check_step, check_mamba1, check_fla, check_models]
+
+
+def bench_mixer_vs_raw(device: str, reps: int = 20) -> list[str]:
+    """fwd+bwd of a wrapped transformers Mamba2 mixer vs mamba-ssm's ``Mamba2`` module, same shapes, bf16.
+
+    Both sides run the same math: in_proj, depthwise conv, SSD scan, gated RMSNorm, out_proj. The raw
+    module takes mamba-ssm's fused path (``mamba_split_conv1d_scan_combined``); the wrapped mixer takes
+    safepad's dispatch (causal_conv1d_fn + mamba_chunk_scan_combined + its own norm). Target ratio <= 1.05.
+    """
+    from mamba_ssm.modules.mamba2 import Mamba2 as RawMamba2
+    from transformers import Mamba2Config, Mamba2Model
+
+    import safepad
+
+    hidden, heads, head_dim, N, groups, chunk, Bsz, T = 2048, 64, 64, 128, 8, 256, 2, 4096
+    cfg = Mamba2Config(hidden_size=hidden, num_heads=heads, head_dim=head_dim, state_size=N, n_groups=groups,
+                       expand=heads * head_dim // hidden, chunk_size=chunk, num_hidden_layers=1, vocab_size=256,
+                       use_conv_bias=True, use_bias=False, conv_kernel=4)
+    hf = safepad.wrap(Mamba2Model(cfg)).to(device, torch.bfloat16)
+    mixer = hf.layers[0].mixer
+    raw = RawMamba2(d_model=hidden, d_state=N, d_conv=4, expand=heads * head_dim // hidden, headdim=head_dim,
+                    ngroups=groups, chunk_size=chunk, bias=False, conv_bias=True).to(device, torch.bfloat16)
+    x = torch.randn(Bsz, T, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+    def run(fn):
+        def step():
+            y = fn(x)
+            y.sum().backward()
+        return step
+
+    sides = {"wrapped mixer": run(lambda h: mixer(h)), "raw mamba-ssm Mamba2": run(lambda h: raw(h))}
+    times = {k: [] for k in sides}
+    for _ in range(3):  # warm-up (autotune) both
+        for f in sides.values():
+            f()
+    for _ in range(reps):  # interleaved
+        for k, f in sides.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    ratio = med["wrapped mixer"] / med["raw mamba-ssm Mamba2"]
+    return [f"{k:<24} fwd+bwd median {v:8.2f} ms  (B={Bsz}, T={T}, hidden={hidden}, bf16)" for k, v in med.items()] + [
+        f"wrapped / raw ratio: {ratio:.3f}  (target <= 1.05: {'MET' if ratio <= 1.05 else 'NOT MET'})"]
 
 
 def cpu_self_check() -> list[Row]:
@@ -290,20 +450,33 @@ def print_table(rows: list[Row]) -> None:
               f"{'PASS' if r.ok else 'FAIL'}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global SMALL
+    argv = sys.argv[1:] if argv is None else argv
+    emulate = "--emulate" in argv
     rows = cpu_self_check()
     need = ("mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update")
     missing = [n for n in need if not kernels.kernels_available()[n]]
     reason = None
-    if not torch.cuda.is_available():
+    if emulate:
+        from safepad.testing import kernel_emulation
+
+        if not kernel_emulation.installed():
+            reason = "--emulate: the emulation was not installed (run this file as a script)"
+        SMALL, device = True, "cpu"
+        print("device: CPU, kernels emulated (Triton interpreter, C++ stand-ins); small shapes, no timings")
+    elif not torch.cuda.is_available():
         reason = "no CUDA device"
-    elif missing:
+    else:
+        device = "cuda"
+    if reason is None and missing:
         reason = f"kernels not importable: {', '.join(missing)}"
     if reason is None:
-        print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-        for check in CHECKS:
+        if not emulate:
+            print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+        for check in CHECKS if not emulate else CHECKS[:-1]:  # the model-level check takes minutes interpreted
             try:
-                rows.extend(check("cuda"))
+                rows.extend(check(device))
             except Exception as e:
                 rows.append(Row(f"{check.__name__}: {type(e).__name__}: {str(e)[:60]}", "-", float("inf"), 0.0))
     if torch.cuda.is_available():  # FSDP2 through accelerate needs CUDA, not the kernels
@@ -314,6 +487,12 @@ def main() -> int:
     print_table(rows)
     if reason is not None:
         print(f"skipping kernel half: {reason}")
+    elif not emulate:
+        try:
+            for line in bench_mixer_vs_raw(device):
+                print(line)
+        except Exception as e:
+            print(f"mixer speed: {type(e).__name__}: {str(e)[:200]}")
     return 0 if all(r.ok for r in rows) else 1
 
 

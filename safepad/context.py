@@ -157,10 +157,7 @@ def boundaries_from_kwargs(
     if tracing():
         return _boundaries_traced(shape, seq_idx, cu_seq_lens_q, cu_seq_lens_k, position_ids, padding_mask)
     B, T = shape
-    real = None  # [B, T - 1]: both tokens of a pair are real (where boundaries are compared)
-    if padding_mask is not None:
-        m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
-        real = m[:, 1:] & m[:, :-1]
+    real = _real_pairs(padding_mask, T)  # [B, T - 1] or None
     source = "none"
     out: Tensor | None = None
     if seq_idx is not None:
@@ -239,10 +236,7 @@ def _boundaries_traced(
     """:func:`boundaries_from_kwargs` without host syncs (checks on the device). Given boundaries are returned
     even when every row holds one sequence (the varlen path gives the same result)."""
     B, T = shape
-    real = None  # [B, T - 1]: both tokens of a pair are real (where boundaries are compared)
-    if padding_mask is not None:
-        m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
-        real = m[:, 1:] & m[:, :-1]
+    real = _real_pairs(padding_mask, T)  # [B, T - 1] or None
     source = "none"
     out: Tensor | None = None
     if seq_idx is not None:
@@ -301,6 +295,14 @@ def _boundaries_traced(
                 out, source = from_pos, "position_ids"
     return out, source
 
+
+
+def _real_pairs(padding_mask: Tensor | None, T: int) -> Tensor | None:
+    """``[B, T - 1]`` bool: both tokens of a pair are real (where boundaries are compared); ``None`` without a mask."""
+    if padding_mask is None:
+        return None
+    m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
+    return m[:, 1:] & m[:, :-1]
 
 def _change_points(seq_idx: Tensor, real: Tensor | None = None) -> Tensor:
     """``[B, T - 1]`` bool: a new sequence starts at token t + 1 (only between two real tokens when

@@ -345,6 +345,14 @@ def _conv_torch(
     return _causal_conv_op(x, weight, bias, head, same, activation in ("silu", "swish"))[0]
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernel_conv_ok(x: Tensor, K: int) -> bool:
+    """What causal-conv1d's CUDA forward takes (its C++ checks): width 2..4, channel-last channels % 8 == 0."""
+    return 2 <= K <= 4 and x.shape[2] % 8 == 0 and x.dtype in _KERNEL_DTYPES
+
+
 @fp32_core
 def causal_conv1d(
     x: Tensor,
@@ -417,9 +425,11 @@ def causal_conv1d(
         init_tail = initial_state[:, :, initial_state.shape[2] - (K - 1) :].to(ct)  # [B, D, K-1]
     w, b = weight.to(ct), (bias.to(ct) if bias is not None else None)
 
-    kernel_ok = not (seq_idx is not None and init_tail is not None)  # causal_conv1d_fn takes one or the other
+    # causal_conv1d_fn takes seq_idx or an initial state, not both; its CUDA kernel takes widths 2..4, channels
+    # in multiples of 8 (channel-last layout) and no float64
+    kernel_ok = not (seq_idx is not None and init_tail is not None) and _kernel_conv_ok(x, K)
     if kernel_ok and kernels.use_kernels(x, weight, need=("causal_conv1d_fn",), backend=backend):
-        x_k = x.transpose(1, 2)  # [B, D, T] channel-last view (stride(1) == 1)
+        x_k = x.contiguous().transpose(1, 2)  # [B, D, T] channel-last view (stride(1) == 1, stride(2) == D)
         if mask is not None:
             x_k = torch.where(mask.unsqueeze(-1), x, 0.0).transpose(1, 2)
         init_k = None
@@ -437,8 +447,9 @@ def causal_conv1d(
     else:
         if backend == "kernels":  # use_kernels already raised unless kernel_ok is False
             raise ValueError(
-                "backend='kernels': causal_conv1d_fn cannot take seq_idx together with initial_state; "
-                "use backend='auto' to route this call to the torch core"
+                "backend='kernels': causal_conv1d_fn cannot take seq_idx together with initial_state, and takes "
+                "only widths 2..4, channels in multiples of 8 and float32/float16/bfloat16; use backend='auto' to "
+                "route this call to the torch core"
             )
         y = _conv_torch(xc, w, b, seq_idx, init_tail, activation).to(x.dtype)
 
@@ -495,11 +506,18 @@ def causal_conv1d_step(
     _check_activation(activation)
     check_backend(backend)
     S = conv_state.shape[2]
-    expressible = S >= K and conv_state.dtype == x.dtype == weight.dtype and not torch.is_grad_enabled()
+    expressible = (
+        S >= K
+        and 2 <= K <= 4
+        and x.dtype in _KERNEL_DTYPES
+        and conv_state.dtype == x.dtype == weight.dtype
+        and not torch.is_grad_enabled()
+    )
     if backend == "kernels" and not expressible:
         raise ValueError(
-            "backend='kernels': causal_conv1d_update needs conv_state with S >= K columns, one dtype for x, "
-            "conv_state and weight, and no autograd (torch.no_grad()); use backend='auto' otherwise"
+            "backend='kernels': causal_conv1d_update needs conv_state with S >= K columns, a width K of 2..4, one "
+            "float32/float16/bfloat16 dtype for x, conv_state and weight, and no autograd (torch.no_grad()); use "
+            "backend='auto' otherwise"
         )
     if expressible and kernels.use_kernels(x, conv_state, weight, need=("causal_conv1d_update",), backend=backend):
         new_state = conv_state.clone()

@@ -7,8 +7,11 @@ to the torch core (same result) or raises. Nothing here changes a result silentl
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -25,51 +28,108 @@ __all__ = [
     "fla_chunk_gated_delta_rule",
     "fla_fused_recurrent_gated_delta_rule",
     "kernels_available",
+    "on_kernel_device",
+    "reload_kernels",
+    "set_kernel_device_check",
+    "state_update",
     "use_kernels",
 ]
 
-try:  # mamba-ssm (CUDA only)
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    mamba_chunk_scan_combined = None
-    mamba_split_conv1d_scan_combined = None
-try:
-    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-except Exception:  # noqa: BLE001
-    selective_state_update = None
-try:
-    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-except Exception:  # noqa: BLE001
-    selective_scan_fn = None
+mamba_chunk_scan_combined = None
+mamba_split_conv1d_scan_combined = None
+selective_state_update = None
+selective_scan_fn = None
+causal_conv1d_fn = None
+causal_conv1d_update = None
+causal_conv1d_varlen_states = None
+fla_chunk_gated_delta_rule = None
+fla_fused_recurrent_gated_delta_rule = None
 
-try:  # causal-conv1d (CUDA only)
-    from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-except Exception:  # noqa: BLE001
-    causal_conv1d_fn = None
-    causal_conv1d_update = None
-try:
-    from causal_conv1d.causal_conv1d_varlen import causal_conv1d_varlen_states
-except Exception:  # noqa: BLE001
-    causal_conv1d_varlen_states = None
-
-try:  # flash-linear-attention (triton)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule
-except Exception:  # noqa: BLE001
-    fla_chunk_gated_delta_rule = None
-    fla_fused_recurrent_gated_delta_rule = None
-
-_KERNELS = {
-    "mamba_chunk_scan_combined": mamba_chunk_scan_combined,
-    "mamba_split_conv1d_scan_combined": mamba_split_conv1d_scan_combined,
-    "selective_state_update": selective_state_update,
-    "selective_scan_fn": selective_scan_fn,
-    "causal_conv1d_fn": causal_conv1d_fn,
-    "causal_conv1d_update": causal_conv1d_update,
-    "causal_conv1d_varlen_states": causal_conv1d_varlen_states,
-    "fla_chunk_gated_delta_rule": fla_chunk_gated_delta_rule,
-    "fla_fused_recurrent_gated_delta_rule": fla_fused_recurrent_gated_delta_rule,
+# module.attribute to import for each marker; any import failure means "not available"
+_SOURCES = {
+    "mamba_chunk_scan_combined": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+    "mamba_split_conv1d_scan_combined": ("mamba_ssm.ops.triton.ssd_combined", "mamba_split_conv1d_scan_combined"),
+    "selective_state_update": ("mamba_ssm.ops.triton.selective_state_update", "selective_state_update"),
+    "selective_scan_fn": ("mamba_ssm.ops.selective_scan_interface", "selective_scan_fn"),
+    "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn"),
+    "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
+    "causal_conv1d_varlen_states": ("causal_conv1d.causal_conv1d_varlen", "causal_conv1d_varlen_states"),
+    "fla_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+    "fla_fused_recurrent_gated_delta_rule": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
 }
+_KERNELS: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def _keep_transformers_model_types():
+    """Undo what an import registers in transformers' ``AutoConfig`` over a model type transformers ships.
+
+    Importing any ``fla.*`` module runs ``fla/__init__``, which (flash-linear-attention 0.6.0) registers
+    FLA's own ``mamba`` / ``mamba2`` / ``bitnet`` configs with ``exist_ok=True``: from then on
+    ``AutoModelForCausalLM.from_config`` / ``from_pretrained`` build FLA's models for those checkpoints,
+    whose mixers are not transformers' (and not wrappable). safepad only wants FLA's ops, so such a
+    shadowing registration is removed again; FLA's registrations of new model types are kept.
+    """
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+        extra = CONFIG_MAPPING._extra_content
+        before = dict(extra)
+    except Exception:  # noqa: BLE001 - no transformers (or another layout): nothing to protect
+        yield
+        return
+    try:
+        yield
+    finally:
+        for key in [k for k in extra if k in CONFIG_MAPPING_NAMES and before.get(k) is not extra[k]]:
+            if key in before:
+                extra[key] = before[key]
+            else:
+                del extra[key]
+            logger.debug("kept transformers' model type %r (an optional kernel import had registered its own)", key)
+
+
+def reload_kernels() -> dict[str, bool]:
+    """(Re)do the try-imports and set each marker to the kernel or ``None``; returns :func:`kernels_available`.
+
+    Runs once at import. Called again only by test support that installs stand-ins for the compiled
+    extensions (``safepad.testing.kernel_emulation``).
+    """
+    g = globals()
+    for name, (module, attr) in _SOURCES.items():
+        try:
+            with _keep_transformers_model_types():
+                fn = getattr(importlib.import_module(module), attr)
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+            logger.debug("kernel %s not available: %s", name, e)
+            fn = None
+        g[name] = fn
+        _KERNELS[name] = fn
+    return kernels_available()
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+_device_check: Callable[[torch.Tensor], bool] = _on_cuda
+
+
+def set_kernel_device_check(check: Callable[[torch.Tensor], bool] | None) -> Callable[[torch.Tensor], bool]:
+    """Replace the one device test of :func:`use_kernels` (default: ``tensor.is_cuda``); returns the previous one.
+
+    A test seam: the CPU kernel tier (``safepad.testing.kernel_emulation``) runs the kernel routes on CPU
+    tensors through it. ``None`` restores the default.
+    """
+    global _device_check
+    prev = _device_check
+    _device_check = _on_cuda if check is None else check
+    return prev
+
+
+def on_kernel_device(t: torch.Tensor) -> bool:
+    """True when ``t`` is on a device the kernels run on (CUDA, unless a test replaced the check)."""
+    return _device_check(t)
 
 
 def kernels_available() -> dict[str, bool]:
@@ -90,7 +150,7 @@ def use_kernels(*tensors: torch.Tensor, need: tuple[str, ...] = (), backend: str
         return False
     if backend == "torch":
         return False
-    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    on_cuda = all(_device_check(t) for t in tensors if t is not None)
     missing = [n for n in need if _KERNELS.get(n) is None]
     ok = on_cuda and not missing
     if backend == "kernels" and not ok:
@@ -99,3 +159,33 @@ def use_kernels(*tensors: torch.Tensor, need: tuple[str, ...] = (), backend: str
             f"backend='kernels' was requested but {why}; install safepad[cuda] on a CUDA machine or use backend='auto'"
         )
     return ok
+
+
+def state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """mamba-ssm ``selective_state_update`` with dt ALREADY processed (no bias, no softplus); updates ``state``.
+
+    Shapes as the kernel's (``state [B, H, P, N]`` or ``[B, Dm, N]``, ``dt`` like ``x``, ``A`` like one
+    state row, ``D`` like ``x[0]``). The released wrapper (mamba-ssm 2.3.2.post1) dereferences
+    ``dt_bias.stride(...)`` and ``D.stride(...)`` unconditionally (``AttributeError`` / ``TypeError``
+    for ``None``), so a zero ``dt_bias`` and a zero ``D`` are passed instead of ``None``; both are
+    broadcast views (stride 0 over the last dim where ``dt`` is), which keeps the kernel's head-tied fast
+    path (``TIE_HDIM``: A and dt tied over ``P`` and ``N``) when ``A`` and ``dt`` are tied.
+    """
+    like = x[0]  # [H, P] or [Dm]
+    tied = dt.stride(-1) == 0
+    zeros = x.new_zeros(like.shape[:-1] + (1,), dtype=torch.float32).expand(like.shape)  # [H, P] / [Dm], stride 0
+    dt_bias = zeros if tied else x.new_zeros(like.shape, dtype=torch.float32)
+    D_k = zeros if D is None else D
+    return selective_state_update(state, x, dt, A, B, C, D=D_k, z=z, dt_bias=dt_bias, dt_softplus=False)
+
+
+reload_kernels()

@@ -362,6 +362,7 @@ def selective_scan(
         and initial_state is None
         and not grads_to_state
         and u.dtype != torch.float64
+        and N <= 256  # the CUDA scan's largest state
         # the kernel takes delta, B, C, z in u's dtype; casting them here would change the result
         and all(t is None or t.dtype == u.dtype for t in (delta, B, C, z))
     )
@@ -373,8 +374,8 @@ def selective_scan(
     if backend == "kernels":
         raise ValueError(
             "backend='kernels' cannot express this call: mamba-ssm's selective_scan_fn has no seq_idx, token mask "
-            "or initial state, gives no gradient through the final state, and needs delta, B, C, z in u's dtype "
-            "(fp32/fp16/bf16); use backend='auto'"
+            "or initial state, gives no gradient through the final state, needs delta, B, C, z in u's dtype "
+            "(fp32/fp16/bf16) and a state size N <= 256; use backend='auto'"
         )
 
     cdt = _compute_dtype(u)
@@ -511,10 +512,7 @@ def selective_state_step(
     ):
         logger.debug("selective_state_step: mamba-ssm selective_state_update, shape %s", tuple(u.shape))
         new_state = state.float().clone(memory_format=torch.contiguous_format)  # the kernel updates in place
-        y = kernels.selective_state_update(
-            new_state, u, dt, A.float(), B, C, D=D.float() if D is not None else None, z=z,
-            dt_bias=None, dt_softplus=False,
-        )  # [B, Dm]
+        y = kernels.state_update(new_state, u, dt, A.float(), B, C, D=D.float() if D is not None else None, z=z)
         return y.to(u.dtype), new_state
     if backend == "kernels":
         raise ValueError("backend='kernels' cannot run a float64 decode step; use backend='auto'")

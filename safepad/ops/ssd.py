@@ -722,11 +722,14 @@ def ssd_scan(
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, dt, A, B, C, D, dt_bias, initial_state)
     )
-    varlen_ok = not return_varlen_states or (Bsz == 1 and not need_grad)
+    # the kernel's varlen states need batch 1, no grad, and no initial state (mamba-ssm 2.3.2.post1 leaves the
+    # initial state out of the first sequence's varlen state)
+    varlen_ok = not return_varlen_states or (Bsz == 1 and not need_grad and initial_state is None)
     if backend == "kernels" and not (varlen_ok and ct == torch.float32):
         raise ValueError(
             "backend='kernels': mamba_chunk_scan_combined returns varlen states only for batch 1 without "
-            "gradients, and has no float64 path; use backend='auto' to run this call on the torch core"
+            "gradients or an initial state, and has no float64 path; use backend='auto' to run this call on the "
+            "torch core"
         )
     if (
         varlen_ok
@@ -735,8 +738,8 @@ def ssd_scan(
     ):
         res = _ssd_kernel(xk, dtp, A, Bk, Ck, chunk_size, D, seq_idx, init, return_final_state, return_varlen_states)
         return res if poisoned is None else _poison_outputs(res, poisoned, seq_idx, return_final_state, return_varlen_states)
-    if return_varlen_states and x.is_cuda and backend == "auto" and kernels.mamba_chunk_scan_combined is not None:
-        logger.debug("ssd_scan: varlen states need batch 1 and no grad on the kernel; using the torch core")
+    if return_varlen_states and backend == "auto" and kernels.on_kernel_device(x):
+        logger.debug("ssd_scan: kernel varlen states need batch 1, no grad, no initial state; using the torch core")
 
     y, final, varlen = _ssd_chunked(
         xk.to(ct),
@@ -803,7 +806,8 @@ def _ssd_kernel(
         chunk_size,
         D=D,
         initial_states=None if initial_state is None else initial_state.float(),
-        seq_idx=None if seq_idx is None else seq_idx.contiguous(),
+        # the kernel gives the initial state to sequence id 0 only: number each row's sequences from 0
+        seq_idx=None if seq_idx is None else (seq_idx - seq_idx[:, :1]).to(torch.int32).contiguous(),
         cu_seqlens=cu,
         dt_softplus=False,
         return_final_states=return_final_state,
@@ -874,7 +878,7 @@ def ssd_step(
         D_k = None
         if D is not None:
             D_k = D[:, None].expand(H, P) if D.dim() == 1 else D  # [H, P]
-        y = kernels.selective_state_update(new_state, x, dt_k, A_k, B, C, D=D_k, dt_softplus=False)
+        y = kernels.state_update(new_state, x, dt_k, A_k, B, C, D=D_k)
         return y.to(x.dtype), new_state
     k = H // G
     s = state.to(ct).view(Bsz, G, k, P, N)  # [B, G, k, P, N]
