@@ -27,6 +27,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ._tracing import tracing
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -285,7 +287,10 @@ def new_tracked_cache(config: Any, *, owned: bool = False) -> Any:
     """An empty ``DynamicCache(config=config)`` that counts its tokens (``owned``: built by safepad for generate)."""
     from transformers import DynamicCache
 
-    cache = track_seq_length(DynamicCache(config=config))
+    # built as the tracking class and counted by attribute: no ``__class__`` swap and no ``__dict__`` write,
+    # which dynamo cannot trace (or which make it break on later mapping-proxy reads) in a compiled forward
+    cache = _tracking_class(DynamicCache)(config=config)
+    cache._safepad_seen_tokens = 0
     if owned:
         cache.__dict__["_safepad_owned"] = True
     return cache
@@ -298,6 +303,28 @@ def _advance(cache: Any, n_tokens: int) -> None:
 
 # one model call at a time owns the count: a nested wrapped model (CausalLM -> Model) must not count again
 _CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_cache_call", default=False)
+#: the same flag while dynamo traces (it cannot trace ContextVar): a plain stack of the calls in progress
+_CALL_TRACED: list[bool] = []
+_TRACED_TOKEN = "traced"
+
+
+def _in_call() -> bool:
+    return bool(_CALL_TRACED) if tracing() else _CALL.get()
+
+
+def _enter_call() -> contextvars.Token | str:
+    if tracing():
+        _CALL_TRACED.append(True)
+        return _TRACED_TOKEN
+    return _CALL.set(True)
+
+
+def _exit_call(token: contextvars.Token | str) -> None:
+    if token is _TRACED_TOKEN:
+        if _CALL_TRACED:
+            _CALL_TRACED.pop()
+    else:
+        _CALL.reset(token)
 
 
 class CachePreHook:
@@ -316,13 +343,14 @@ class CachePreHook:
         self.recurrent = recurrent
 
     def __call__(self, module: Any, args: tuple, kwargs: dict):
-        stack = module.__dict__.setdefault("_safepad_cache_calls", [])
-        if _CALL.get() or not self.recurrent:
+        stack = module._safepad_cache_calls  # a list made by wrap (no dict mutation while traced)
+        if not self.recurrent or _in_call():
             stack.append(None)
             return None
         _, cache = cache_from_kwargs(kwargs)  # transformers and generate() pass caches by keyword
         if cache is None and self.cache_arg is not None and self._builds_cache(module, kwargs):
-            cache = kwargs[self.cache_arg] = new_tracked_cache(_config_of(module))
+            cache = new_tracked_cache(_config_of(module))
+            kwargs = {**kwargs, self.cache_arg: cache}  # a new dict: no dict mutation inside a compiled forward
         else:
             track_seq_length(cache)
         ids = kwargs.get("input_ids")
@@ -331,7 +359,7 @@ class CachePreHook:
         if ids is None and args:
             ids = args[0]
         length = int(ids.shape[1]) if isinstance(ids, Tensor) and ids.dim() >= 2 else 0
-        stack.append((_CALL.set(True), cache, length))
+        stack.append((_enter_call(), cache, length))
         return args, kwargs
 
     @staticmethod
@@ -351,12 +379,12 @@ class CachePreHook:
 
 def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
     """Forward hook paired with :class:`CachePreHook` (``always_call``: a raising call counts no tokens)."""
-    stack = module.__dict__.get("_safepad_cache_calls")
+    stack = getattr(module, "_safepad_cache_calls", None)
     entry = stack.pop() if stack else None
     if entry is None:
         return None
     token, cache, length = entry
-    _CALL.reset(token)
+    _exit_call(token)
     if output is None:
         return None
     if cache is None:  # built inside the forward (no declared cache argument): it has seen this call only

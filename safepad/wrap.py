@@ -269,6 +269,7 @@ def _install_model_hooks(model: nn.Module) -> None:
         # (safepad.cache); registered after _ModelPreHook, so it sees the packed-call policy's use_cache
         recurrent = fresh_cache_is_recurrent_only(getattr(target, "config", None))
         if recurrent:
+            target._safepad_cache_calls = []
             cache_pre = target.register_forward_pre_hook(
                 CachePreHook(cache_argument(target.forward), recurrent), with_kwargs=True
             )
