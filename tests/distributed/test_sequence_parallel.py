@@ -115,14 +115,3 @@ def test_different_batches_on_the_ranks_raise(runs):
     for rank, res in enumerate(results):
         msg = res["mismatched-batches"]["raised"]
         assert msg is not None and "same full batch" in msg, (rank, msg)
-
-
-def test_accelerate_recipe(tmp_path):
-    """docs/training.md's accelerate recipe: Accelerator(cpu) + prepare (DDP over the SP ranks) + gradients='ddp'."""
-    from .sp_worker import spawn_accelerate
-
-    for rank, r in enumerate(spawn_accelerate(2, tmp_path)):
-        assert "error" not in r, r.get("error")
-        assert r["wrapper"] == "DistributedDataParallel" and "MULTI_CPU" in r["distributed_type"], r
-        assert r["grads"] >= 10
-        assert r["loss_rel"] <= _F32 and r["grad_max_rel"] <= _F32 and r["param_max_rel"] <= _F32, (rank, r)
