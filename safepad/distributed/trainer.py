@@ -108,7 +108,7 @@ def prepare_trainer(
     if getattr(trainer.args, "n_gpu", 1) > 1:
         raise ValueError("sequence parallelism needs one device per process (torchrun), not DataParallel over n_gpu")
     pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1 or getattr(pc, "tp_size", 1) > 1):
+    if pc is not None and any(getattr(pc, f"{d}_size", 1) > 1 for d in ("cp", "sp", "tp")):
         raise ValueError(
             "ParallelismConfig(cp_size / sp_size / tp_size > 1) would shard the sequence a second time (and accelerate "
             "refuses recurrent layers there); leave them at 1 and let prepare_trainer shard the sequence"
@@ -138,7 +138,7 @@ def prepare_trainer(
 
     trainer.get_total_train_batch_size = total_batch_size
     trainer._safepad_sp = sp
-    logger.info("safepad: Trainer sequence-parallel over groups of %d ranks, %d data-parallel groups", sp.world, dp_size)
+    logger.info("safepad: Trainer sequence-parallel: groups of %d ranks, %d data-parallel groups", sp.world, dp_size)
     return sp
 
 

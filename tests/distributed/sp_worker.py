@@ -260,8 +260,8 @@ def _run_trainer(
     args = TrainingArguments(
         output_dir=os.path.join(out, case_id), max_steps=3, per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch, gradient_accumulation_steps=accum, optim="sgd", learning_rate=0.05,
-        lr_scheduler_type="constant", weight_decay=0.0, report_to=[], save_strategy="no", logging_steps=1,
-        use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False, seed=3, disable_tqdm=True,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[], save_strategy="no",
+        logging_steps=1, use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False, seed=3, disable_tqdm=True,
     )
     trainer = Recording(model=model, args=args, train_dataset=train, eval_dataset=evals,
                         data_collator=DataCollatorForPackedSSM(pad_to_multiple_of=32, pad_token_id=0))

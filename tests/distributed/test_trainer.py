@@ -4,7 +4,8 @@
   ``gradients='ddp'``): loss, every gradient and every parameter after one step equal one process.
 * Trainer + :func:`safepad.distributed.prepare_trainer` on the tiny Nemotron-H (Mamba2 + attention + MLP),
   ``DataCollatorForPackedSSM`` (one packed row per batch, random sequence lengths crossing the shard edges,
-  padded to a multiple of 32 with its own segment), SGD, 3 optimizer steps, then ``evaluate()``:
+  padded to a multiple of 32 with its own segment), SGD without clipping (a clipped update would hide a
+  gradient scaled by the wrong factor), 3 optimizer steps, then ``evaluate()``:
 
   - ``sp4``: one SP group of 4 ranks (no data parallelism), gradient accumulation 2 (Trainer's
     ``num_items_in_batch`` spans both micro-batches);
@@ -72,7 +73,8 @@ def test_trainer_equals_single_process(runs, cid):
         for name, p_ref in ref["params"].items():
             a, b = torch.tensor(got["params"][name]), torch.tensor(p_ref)
             if not float((a - b).abs().max()) <= _RTOL * float(b.abs().max()) + _ATOL:
-                failures.append(f"rank {rank}: {name} max |diff| {float((a - b).abs().max()):.2e} (scale {float(b.abs().max()):.2e})")
+                diff, scale = float((a - b).abs().max()), float(b.abs().max())
+                failures.append(f"rank {rank}: {name} max |diff| {diff:.2e} (scale {scale:.2e})")
             moved += bool(torch.tensor(ref["update"][name]).abs().max() > 1e-6)
         if moved < 10:
             failures.append(f"rank {rank}: only {moved} parameters moved: the comparison is vacuous")
