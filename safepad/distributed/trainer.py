@@ -138,7 +138,7 @@ def prepare_trainer(
 
     trainer.get_total_train_batch_size = total_batch_size
     trainer._safepad_sp = sp
-    logger.info("safepad: Trainer sequence-parallel: groups of %d ranks, %d data-parallel groups", sp.world, dp_size)
+    logger.info("safepad: Trainer SP: groups of %d ranks, %d data-parallel groups", sp.world, dp_size)
     return sp
 
 
