@@ -195,3 +195,31 @@ def test_prepare_trainer_refusals(group, bad):
     with pytest.raises(ValueError, match=match):
         prepare_trainer(trainer, **kw)
     assert len(model._forward_pre_hooks) == hooks and model.config._attn_implementation != "safepad_sp"
+
+
+@pytest.mark.parametrize("op", ["conv", "ssd", "delta", "selective"])
+def test_sp_ops_validate_like_the_ops(op):
+    """The sequence-parallel ops take the single-device op's own arguments and raise its own errors, before any
+    exchange (no process group needed): a wrong shape, an unknown argument, and a refused initial state."""
+    from safepad.distributed import ops as spo
+
+    x4 = torch.randn(1, 8, 2, 4)
+    calls = {
+        "conv": (spo.sp_causal_conv1d, (torch.randn(1, 8), torch.randn(3, 4)), {},
+                 r"x must have shape \[batch, seqlen, dim\]", torch.zeros(1, 3, 3)),
+        "ssd": (spo.sp_ssd_scan, (x4[..., 0], torch.randn(1, 8, 2), -torch.ones(2), torch.randn(1, 8, 1, 4),
+                                  torch.randn(1, 8, 1, 4)), {}, r"x must have shape \[batch, seqlen, H, P\]",
+                torch.zeros(1, 2, 4, 4)),
+        "delta": (spo.sp_chunk_gated_delta_rule, (x4, x4, x4, torch.randn(1, 8, 2), torch.rand(1, 7, 2)), {},
+                  "beta", torch.zeros(1, 2, 4, 4)),
+        "selective": (spo.sp_selective_scan, (torch.randn(1, 8), torch.randn(1, 8, 4), -torch.ones(4, 3),
+                                              torch.randn(1, 8, 3), torch.randn(1, 8, 3)), {},
+                      "u must be a tensor of shape", torch.zeros(1, 4, 3)),
+    }
+    fn, args, kw, match, state = calls[op]
+    with pytest.raises(ValueError, match=match):
+        fn(*args, sp=object(), **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_sise'"):
+        fn(*args, sp=object(), chunk_sise=4)
+    with pytest.raises(ValueError, match="does not take initial_state"):
+        fn(*args, sp=object(), initial_state=state)
