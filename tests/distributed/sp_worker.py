@@ -223,7 +223,8 @@ def _accelerate_recipe() -> dict:
 # ---------------------------------------------------------------------------------------------- Trainer
 
 #: Trainer runs: (id, sp_size, per-device batch, gradient accumulation). The reference is ONE process with the
-#: same seed and a batch of (world / sp) * per-device batch, so it sees the same examples per optimizer step.
+#: same seed and a batch of (world / sp) * per-device batch, so it sees the same examples per optimizer step,
+#: in float64 (the exact reference: a single-process fp32 run is itself 3.4e-5 of conv1d.bias's scale off it).
 TRAINER_CASES = [("sp4", 4, 3, 2), ("dp2xsp2", 2, 3, 1)]
 
 
@@ -294,7 +295,9 @@ def trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         for i, (cid, sp_size, batch, accum) in enumerate(TRAINER_CASES):
             if i % world == rank:  # the references run concurrently, one per rank
-                res[f"ref-{cid}"] = _run_trainer(f"ref-{cid}", batch * world // sp_size, accum, out_dir)
+                res[f"ref-{cid}"] = _run_trainer(
+                    f"ref-{cid}", batch * world // sp_size, accum, out_dir, dtype=torch.float64
+                )
                 _reset_accelerate(partial=True)
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

@@ -12,11 +12,13 @@
   - ``dp2xsp2``: two SP groups of 2 ranks (ranks 0-1, 2-3) that are data-parallel to each other.
 
   Each is compared with ONE process running the same Trainer over the same examples per step (batch
-  ``dp`` times larger): every micro-step loss (mean over ranks, which is what Trainer logs), the eval loss
-  and every final parameter. Tolerance: rtol 1e-5 of each tensor's scale, plus atol 1e-8 for the
-  parameters: ``conv1d.bias`` starts at 0, so its scale is its own 3-step update (7e-5), a long cancelling
-  fp32 sum; the single-process fp32 run is itself 2.9e-5 of that scale off float64 (measured), the
-  sharded one 2.2e-5 off the fp32 run (|diff| 1.5e-9). Every other tensor is within 1.2e-6.
+  ``dp`` times larger) in float64, from the same initial weights: every micro-step loss (mean over ranks,
+  which is what Trainer logs) and the eval loss at rtol 1e-5, every final parameter at 1e-5 of its
+  tensor's scale plus an absolute 2e-8. The absolute term is for ``conv1d.bias``: it starts at 0, so its
+  scale is its own 3-step update (2e-4), and its gradient is a sum over every token that cancels; fp32
+  cannot get it closer than that (measured against float64: a single-process fp32 Trainer run 3.4e-5 of
+  its scale, the sharded runs 6.7e-6 at sp 4 and 3.6e-5 = 8e-9 absolute at dp 2 x sp 2). Every other
+  tensor is within 1e-5 of its scale.
 * Control: the SP model hooks alone under Trainer (its per-rank sampler gives every rank another batch)
   raise instead of training on mixed shards.
 """
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 WORLD = 4
 _RTOL = 1e-5
-_ATOL = 1e-8  # parameters: |diff| <= rtol * the tensor's scale + atol (see module doc: conv1d.bias)
+_ATOL = 2e-8  # parameters: the fp32 floor of conv1d.bias (zero-initialised, cancelling gradient; module doc)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_trainer_equals_single_process(runs, cid):
     for rank, res in enumerate(runs):
         assert len(res[cid]["losses"]) == steps, (rank, res[cid]["losses"])
     logged = torch.tensor([[res[cid]["losses"][i] for res in runs] for i in range(steps)]).mean(1)  # [steps]
-    torch.testing.assert_close(logged, torch.tensor(ref["losses"]), rtol=_RTOL, atol=0)
+    torch.testing.assert_close(logged, torch.tensor(ref["losses"], dtype=torch.float32), rtol=_RTOL, atol=0)
     failures = []
     for rank, res in enumerate(runs):
         got = res[cid]
@@ -71,7 +73,7 @@ def test_trainer_equals_single_process(runs, cid):
             failures.append(f"rank {rank}: eval_loss {got['eval_loss']} != {ref['eval_loss']}")
         moved = 0
         for name, p_ref in ref["params"].items():
-            a, b = torch.tensor(got["params"][name]), torch.tensor(p_ref)
+            a, b = torch.tensor(got["params"][name], dtype=torch.float64), torch.tensor(p_ref, dtype=torch.float64)
             if not float((a - b).abs().max()) <= _RTOL * float(b.abs().max()) + _ATOL:
                 diff, scale = float((a - b).abs().max()), float(b.abs().max())
                 failures.append(f"rank {rank}: {name} max |diff| {diff:.2e} (scale {scale:.2e})")
