@@ -18,10 +18,8 @@ from types import MappingProxyType
 
 __all__ = ["UNSUPPORTED_FAMILIES", "unsupported_reason"]
 
-_RG = "RG-LRU + conv state kept on the modules (not in the cache); needs an RG-LRU core and a module-state adapter"
 UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
     {
-        "recurrent_gemma": _RG,
         "minimax": "lightning attention (decayed linear attention, no conv) with its own linear cache; no core yet",
         "qwen4_exp": (
             "besides its Gated DeltaNet, PLE layers keep a dilated-conv state and a hashed n-gram token-id state "

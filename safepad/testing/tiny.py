@@ -251,6 +251,7 @@ NEW_FAMILIES: tuple[str, ...] = (
     "inkling2_text",
     "inkling2_loop_text",
     "zaya",
+    "recurrent_gemma",
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
@@ -312,6 +313,17 @@ _TINY.update(
             "router_hidden_size": 16,
             "cca_time0": 3,  # conv state 3 = (3 - 1) + (2 - 1) inputs
             "cca_time1": 2,
+        },
+        "recurrent_gemma": {
+            "num_hidden_layers": 3,
+            "block_types": ["recurrent", "attention", "recurrent"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "lru_width": 64,
+            "conv1d_width": 4,
+            "attention_window_size": 64,  # longer than every audit row (see README limits)
+            "logits_soft_cap": 30.0,
         },
         "inkling_text": dict(_INKLING_TEXT),
         "inkling2_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},
