@@ -37,6 +37,14 @@ from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
 from ._tracing import device_check, tracing
+from .cache import (
+    CACHE_NAMES,
+    CachePreHook,
+    SafepadGenerate,
+    cache_argument,
+    cache_post_hook,
+    fresh_cache_is_recurrent_only,
+)
 from .context import (
     CallContext,
     boundaries_from_kwargs,
@@ -228,6 +236,9 @@ def unwrap(model: nn.Module) -> nn.Module:
         for handle in module.__dict__.pop("_safepad_hook_handles", []):
             handle.remove()
         module.__dict__.pop("_safepad_tokens", None)
+        module.__dict__.pop("_safepad_cache_calls", None)
+        if isinstance(module.__dict__.get("generate"), SafepadGenerate):
+            del module.__dict__["generate"]
     return model
 
 
@@ -262,6 +273,18 @@ def _install_model_hooks(model: nn.Module) -> None:
         pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
         post = target.register_forward_hook(_post_hook, always_call=True)
         target._safepad_hook_handles = [pre, post]
+        # a cache without attention layers cannot tell its length in transformers: safepad counts it
+        # (safepad.cache); registered after _ModelPreHook, so it sees the packed-call policy's use_cache
+        recurrent = fresh_cache_is_recurrent_only(getattr(target, "config", None))
+        if recurrent:
+            target._safepad_cache_calls = []
+            cache_pre = target.register_forward_pre_hook(
+                CachePreHook(cache_argument(target.forward), recurrent), with_kwargs=True
+            )
+            cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
+            target._safepad_hook_handles += [cache_pre, cache_post]
+            if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
+                target.generate = SafepadGenerate(target)
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
@@ -308,6 +331,10 @@ class _ModelPreHook:
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
         mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):
+            # generate() with a compileable cache (e.g. one without attention layers) hands in per-layer-type
+            # masks; the recurrent layers' entry is the 2-D [B, T] padding mask
+            mask = next((m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 2), None)
         padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
         position_ids = kwargs.get("position_ids")
         seq_idx, source = boundaries_from_kwargs(
@@ -424,9 +451,7 @@ class _ModelPreHook:
                        nested: bool) -> None:
         """Cache off (or raise if one was asked for), restarting position_ids and packed masks for hybrids."""
         info = self.info
-        explicit = kwargs.get("use_cache") is True or any(
-            kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
-        )
+        explicit = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
         if explicit and not nested:
             raise ValueError(
                 f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
@@ -611,8 +636,9 @@ def _packed_mask_mapping(module: nn.Module, seq_idx: torch.Tensor, keys: tuple[s
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     shape_only = torch.empty(B, T, 0, dtype=dtype, device=seq_idx.device)  # create_causal_mask reads shape/dtype
     positions = position_ids_from_seq_idx(seq_idx)
+    cache_kw = cache_argument(create_causal_mask) or "past_key_values"  # 5.23: past_key_values, 5.24: cache
     full = create_causal_mask(
-        config=config, inputs_embeds=shape_only, attention_mask=None, past_key_values=None, position_ids=positions
+        config=config, inputs_embeds=shape_only, attention_mask=None, position_ids=positions, **{cache_kw: None}
     )
     mapping: dict = {k: full for k in keys}
     mapping.setdefault("linear_attention", None)
