@@ -255,8 +255,9 @@ class _ModelIO:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab = int(cfg.vocab_size)
         self.text_config = cfg
-        #: RecurrentGemma-style models keep recurrent states on their modules and return no cache
-        self.stateful = bool(getattr(model, "_is_stateful", False))
+        #: RecurrentGemma-style models keep recurrent states on their modules (``_setup_cache`` resets them) and
+        #: return no cache
+        self.stateful = callable(getattr(model, "_setup_cache", None))
 
     def __call__(
         self,

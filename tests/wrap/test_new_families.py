@@ -170,7 +170,7 @@ def _cache_of(out):
 
 def _stateful_cache(model):
     """A fresh ``DynamicCache(config)`` for models that return no cache (RecurrentGemma), else ``None``."""
-    if not getattr(model, "_is_stateful", False):
+    if not callable(getattr(model, "_setup_cache", None)):
         return None
     from transformers import DynamicCache
 
