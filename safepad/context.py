@@ -70,6 +70,9 @@ class CallContext:
     #: ``[B, 1]`` bool for a one-token step whose 2-D mask marks some rows' new token as padding
     #: (transformers passes no mask to recurrent layers on one-token steps).
     decode_mask: Tensor | None = None
+    #: the call's 2-D ``attention_mask`` (past + current columns) when it marks pads and the rows are not packed,
+    #: for mixers whose model hands them only a 4-D attention mask (RecurrentGemma)
+    padding_mask: Tensor | None = None
     #: per-call memo of the mask analysis, so each layer of one call does not redo it (``safepad.mixers``)
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -345,6 +348,14 @@ def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
     ctx = current_context()
     if ctx is not None and ctx.decode_mask is not None and ctx.shape == tuple(shape):
         return ctx.decode_mask
+    return None
+
+
+def context_padding_mask(shape: tuple[int, int]) -> Tensor | None:
+    """The model call's 2-D padding mask ``[B, >= T]`` when this mixer call is that call's ``[B, T]`` tokens."""
+    ctx = current_context()
+    if ctx is not None and ctx.padding_mask is not None and ctx.shape == tuple(shape):
+        return ctx.padding_mask
     return None
 
 

@@ -200,6 +200,8 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
             module.__class__ = _patched_class(type(module), spec)
             patched.append(name)
         module._safepad_backend = backend
+        if spec.options.get("layer_idx_from_name") and getattr(module, "layer_idx", None) is None:
+            module._safepad_layer_idx = _layer_index(name)
         probe_gated_norm(module, spec.options.get("gated_norm"))
         owners.add(id(module))
     if not owners:
@@ -214,13 +216,19 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
     return model
 
 
+def _layer_index(name: str) -> int | None:
+    """The decoder-layer index of a module named ``...layers.<i>.<child>`` (its last integer component)."""
+    ints = [int(part) for part in name.split(".") if part.isdigit()]
+    return ints[-1] if ints else None
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """Undo :func:`wrap`: restore every mixer's original class and remove the model hooks. Returns ``model``."""
     for module in model.modules():
         orig = getattr(type(module), "_safepad_original_class", None)
         if orig is not None:
             module.__class__ = orig
-        for attr in ("_safepad_backend", "_safepad_saw_packed"):
+        for attr in ("_safepad_backend", "_safepad_saw_packed", "_safepad_layer_idx"):
             module.__dict__.pop(attr, None)
         fn = module.__dict__.get("_gradient_checkpointing_func")
         if isinstance(fn, _CheckpointWithContext):
@@ -359,7 +367,10 @@ class _ModelPreHook:
         decode_mask = None
         if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
             decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token is padding in some rows
-        token = enter_call(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
+        padding_mask = mask if padding and seq_idx is None else None
+        token = enter_call(
+            CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask)
+        )
         module._safepad_tokens.append(token)
         return args, kwargs
 
@@ -431,7 +442,10 @@ class _ModelPreHook:
                     "when they come with an attention_mask (or come without one)",
                 )
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
-        token = enter_call(CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask))
+        padding_mask = mask if mask2d and seq_idx is None else None
+        token = enter_call(
+            CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask)
+        )
         module._safepad_tokens.append(token)
         return args, kwargs
 

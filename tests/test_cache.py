@@ -68,7 +68,10 @@ def test_every_cache_name_transformers_uses_is_known(model_type):
     assert cache_argument(model) in CACHE_NAMES
     from transformers import Cache
 
-    assert isinstance(output_cache(out), Cache)
+    if callable(getattr(model, "_setup_cache", None)):
+        assert output_cache(out) is None  # RecurrentGemma returns no cache: the caller passes DynamicCache(config)
+    else:
+        assert isinstance(output_cache(out), Cache)
 
 
 def test_cache_argument_reads_declarations_not_families():

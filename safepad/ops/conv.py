@@ -53,6 +53,18 @@ def _check_activation(activation: str | None) -> None:
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
+def _dilated(weight: Tensor, dilation: int) -> Tensor:
+    """``weight`` ``[D, K]`` of a conv with ``dilation`` d as the undilated ``[D, (K - 1) d + 1]`` one (zeros
+    between the taps); differentiable, so the gradient reaches the ``K`` real taps only."""
+    if not isinstance(dilation, int) or isinstance(dilation, bool) or dilation < 1:
+        raise ValueError(f"dilation must be an integer >= 1, got {dilation!r}")
+    if dilation == 1:
+        return weight
+    D, K = weight.shape
+    zeros = weight.new_zeros(D, K, dilation - 1)  # [D, K, d - 1]
+    return torch.cat([weight.unsqueeze(-1), zeros], dim=-1).reshape(D, K * dilation)[:, : (K - 1) * dilation + 1]
+
+
 def _activate(y: Tensor, activation: str | None) -> Tensor:
     return F.silu(y) if activation in ("silu", "swish") else y
 
@@ -449,6 +461,7 @@ def causal_conv1d(
     return_final_state: bool = False,
     state_len: int | None = None,
     return_varlen_states: bool = False,
+    dilation: int = 1,
     backend: str = "auto",
 ):
     """Depthwise causal conv1d over packed / padded rows.
@@ -467,11 +480,15 @@ def causal_conv1d(
         state_len: columns of the returned states (default ``K - 1``).
         return_varlen_states: also return ``varlen_states [S_total, D, state_len]``, one per sequence in
             row-major order of appearance, same rule.
+        dilation: tap spacing ``d``: ``y_t = sum_j w_j x_{t - (K - 1 - j) d}``. The conv then reads the last
+            ``(K - 1) d`` inputs, which is what ``initial_state`` must hold (and the default ``state_len``).
         backend: ``"auto"`` | ``"torch"`` | ``"kernels"`` (see ``safepad.ops.kernels.use_kernels``).
 
     Returns:
         ``y [B, T, D]`` (dtype of ``x``), then ``final_state`` and ``varlen_states`` when requested.
     """
+    if isinstance(weight, Tensor) and weight.dim() == 2:  # (a wrong shape is reported by the check below)
+        weight = _dilated(weight, dilation)  # [D, K] -> [D, (K - 1) d + 1]
     Bsz, T, D, K, seq_idx, mask, state_len = check_causal_conv1d_args(
         x, weight, bias, activation=activation, seq_idx=seq_idx, initial_state=initial_state, token_mask=token_mask,
         return_final_state=return_final_state, state_len=state_len, return_varlen_states=return_varlen_states,
@@ -541,13 +558,14 @@ def causal_conv1d_step(
     bias: Tensor | None = None,
     *,
     activation: str | None = None,
+    dilation: int = 1,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decode step.
 
     Args:
-        x: ``[B, D]`` the new input; conv_state: ``[B, D, S]`` (``S >= K - 1``, oldest first).
-        weight: ``[D, K]``; bias: ``[D]`` | None.
+        x: ``[B, D]`` the new input; conv_state: ``[B, D, S]`` (``S >= (K - 1) * dilation``, oldest first).
+        weight: ``[D, K]``; bias: ``[D]`` | None; dilation: tap spacing (see :func:`causal_conv1d`).
 
     Returns:
         ``(y [B, D], new_state [B, D, S])``: ``new_state`` is ``conv_state`` rolled left by one with ``x``
@@ -558,6 +576,7 @@ def causal_conv1d_step(
     Bsz, D = x.shape
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != D:
         raise ValueError(f"weight must have shape [dim, width] = [{D}, K], got {tuple(weight.shape)}")
+    weight = _dilated(weight, dilation)  # [D, (K - 1) d + 1]
     K = weight.shape[1]
     if conv_state.dim() != 3 or conv_state.shape[:2] != (Bsz, D) or conv_state.shape[2] < max(K - 1, 1):
         raise ValueError(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .registry import _BY_CLASS
+from .registry import _COVERED
 from .unsupported import UNSUPPORTED_FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -253,8 +253,8 @@ def coverage(family: RecurrentFamily) -> tuple[str, str]:
     patches exactly those classes). A family listed in :data:`~safepad.specs.unsupported.UNSUPPORTED_FAMILIES`
     that is in fact fully supported is reported ``"missing"`` too (a stale entry).
     """
-    claimed = {c: _BY_CLASS[c].model_type for c in family.stateful_classes if c in _BY_CLASS}
-    unclaimed = [c for c in family.stateful_classes if c not in _BY_CLASS]
+    claimed = {c: _COVERED[c].model_type for c in family.stateful_classes if c in _COVERED}
+    unclaimed = [c for c in family.stateful_classes if c not in _COVERED]
     fully = bool(family.stateful_classes) and not unclaimed
     reason = UNSUPPORTED_FAMILIES.get(family.model_type)
     if reason is not None:

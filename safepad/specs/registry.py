@@ -32,6 +32,8 @@ class MixerSpec:
         hybrid: whether the family interleaves attention layers (they need packed ``position_ids``).
         packed_attention_mask: for hybrids whose mask construction ignores ``position_ids`` (GraniteMoeHybrid):
             the mask-mapping keys to fill with a block-diagonal causal mask on packed inputs.
+        inner_classes: stateful classes inside a patched mixer whose work the generic forward does itself (they
+            are not patched, and never called by the wrapped mixer), e.g. RecurrentGemma's ``RecurrentGemmaRglru``.
     """
 
     model_type: str
@@ -42,22 +44,27 @@ class MixerSpec:
     hybrid: bool = False
     packed_attention_mask: tuple[str, ...] = ()
     description: str = ""
+    inner_classes: tuple[str, ...] = ()
 
 
 _BY_MODEL_TYPE: dict[str, MixerSpec] = {}
 _BY_CLASS: dict[str, MixerSpec] = {}
+#: class name -> spec for every class a spec covers: its mixer classes and its inner classes
+_COVERED: dict[str, MixerSpec] = {}
 
 
 def register(spec: MixerSpec) -> MixerSpec:
     """Add a family spec. Class names must be unique across families."""
     if spec.model_type in _BY_MODEL_TYPE:
         raise ValueError(f"a spec for model_type {spec.model_type!r} is already registered")
-    for name in spec.mixer_classes:
-        if name in _BY_CLASS:
-            raise ValueError(f"mixer class {name!r} is already claimed by {_BY_CLASS[name].model_type!r}")
+    for name in (*spec.mixer_classes, *spec.inner_classes):
+        if name in _COVERED:
+            raise ValueError(f"mixer class {name!r} is already claimed by {_COVERED[name].model_type!r}")
     _BY_MODEL_TYPE[spec.model_type] = spec
     for name in spec.mixer_classes:
         _BY_CLASS[name] = spec
+    for name in (*spec.mixer_classes, *spec.inner_classes):
+        _COVERED[name] = spec
     return spec
 
 

@@ -18,16 +18,9 @@ from types import MappingProxyType
 
 __all__ = ["UNSUPPORTED_FAMILIES", "unsupported_reason"]
 
-_RG = "RG-LRU + conv state kept on the modules (not in the cache); needs an RG-LRU core and a module-state adapter"
 UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
     {
-        "recurrent_gemma": _RG,
         "minimax": "lightning attention (decayed linear attention, no conv) with its own linear cache; no core yet",
-        "qwen4_exp": (
-            "besides its Gated DeltaNet, PLE layers keep a dilated-conv state and a hashed n-gram token-id state "
-            "that resets only at EOS; both need their own padding-correct core"
-        ),
-        "qwen4_exp_text": "text model of qwen4_exp (same PLE dilated-conv and n-gram states)",
         "glm5_next": (
             "its KDA layers are the kimi_linear mixer, but its indexed (DSA) attention ignores packed boundaries and "
             "pools keys across pads (attention-side; audit: packed 1.7e-2, right-pad decode 1.6e-3 when wrapped)"

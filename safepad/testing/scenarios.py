@@ -64,6 +64,7 @@ __all__ = [
     "audit",
     "cache_states",
     "default_tol",
+    "module_states",
     "packed_loss_grad_errors",
     "pad_sweep",
     "run_matrix",
@@ -253,6 +254,10 @@ class _ModelIO:
         self.device, self.dtype = first.device, first.dtype
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab = int(cfg.vocab_size)
+        self.text_config = cfg
+        #: RecurrentGemma-style models keep recurrent states on their modules (``_setup_cache`` resets them) and
+        #: return no cache
+        self.stateful = callable(getattr(model, "_setup_cache", None))
 
     def __call__(
         self,
@@ -270,6 +275,15 @@ class _ModelIO:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         if position_ids is not None and self.takes_positions:
             kwargs["position_ids"] = position_ids.to(self.device)
+        if cache is None and use_cache and self.stateful:
+            # what the stateful model does when it builds its own cache (fresh module states), keeping the cache
+            # object so that the next call can continue it (the model does not return it)
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.text_config)
+            setup = getattr(self.model, "_setup_cache", None)
+            if callable(setup):
+                setup(self.model.config, input_ids.shape[0], self.device, self.dtype)
         if cache is not None:
             if self.cache_kw is None:
                 raise ValueError(
@@ -281,7 +295,13 @@ class _ModelIO:
         kwargs.update({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in extra.items()})
         out = self.model(**kwargs)
         new_cache = output_cache(out) if use_cache else None
+        if new_cache is None and use_cache and self.stateful:
+            new_cache = cache
         return out.logits.float(), new_cache
+
+    def states(self, cache: Any) -> dict[str, Tensor]:
+        """:func:`cache_states` of ``cache`` plus the states the model keeps on its modules (:func:`module_states`)."""
+        return {**cache_states(cache), **module_states(self.model)}
 
     def decode_mask(self, full_mask: Tensor) -> Tensor | None:
         """Mask for a single-token step: ``generate()`` drops it for models without ``position_ids`` (no attention)."""
@@ -316,6 +336,29 @@ def cache_states(cache: Any) -> dict[str, Tensor]:
                     continue
                 key = f"layer{i}.{kind}" if len(states) == 1 else f"layer{i}.{kind}.{s}"
                 out[key] = tensor.detach().clone()
+    return out
+
+
+def module_states(model: nn.Module) -> dict[str, Tensor]:
+    """Clone the recurrent states a model keeps on its modules (RecurrentGemma's ``conv1d_state`` and
+    ``rg_lru.recurrent_states``), as the family spec's ``options["module_states"]`` names them, keyed like
+    :func:`cache_states` (``"layer{i}.conv"`` / ``"layer{i}.recurrent"``, ``i`` the decoder layer of the module)."""
+    from ..specs.registry import spec_for_module
+    from ..wrap import _layer_index
+
+    out: dict[str, Tensor] = {}
+    for name, module in model.named_modules():
+        spec = spec_for_module(module)
+        where = spec.options.get("module_states") if spec is not None else None
+        idx = _layer_index(name) if where else None
+        if not where or idx is None:
+            continue
+        for kind, path in where.items():
+            obj: Any = module
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, Tensor):
+                out[f"layer{idx}.{kind}"] = obj.detach().clone()
     return out
 
 
@@ -399,11 +442,12 @@ def _alone_states(ref: _ModelIO, ids: Tensor) -> dict[str, Tensor]:
     """Cached states after a cached prefill of ``[L]`` ids alone (the stock prefill path is the reference).
 
     A model whose cache has no attention layer gets a cache that can tell its length (the stock model raises
-    ``get_seq_length can only be called on Attention layers`` otherwise); its states are the stock model's own.
+    ``get_seq_length can only be called on Attention layers`` otherwise); its states are the stock model's own,
+    in the cache or (RecurrentGemma) on its modules.
     """
     pos = torch.arange(ids.numel())[None]
     _, cache = ref(ids[None], position_ids=pos, cache=ref.fresh_cache(), use_cache=True)
-    return cache_states(cache)
+    return ref.states(cache)
 
 
 def _banned_tokens(model: nn.Module) -> list[int]:
@@ -496,7 +540,7 @@ def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int)
     logits, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
     if cache is None:
         raise RuntimeError("the model returned no cache for use_cache=True")
-    got_states = cache_states(cache)
+    got_states = io.states(cache)
     prefill_err = 0.0
     for b, (prompt, _, _, states) in enumerate(alone):
         real = mask[b].bool().to(logits.device)
@@ -538,7 +582,7 @@ def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) ->
         outs.append(logits)
     logits = torch.cat(outs, dim=1)  # [2, 40, V]
     err = 0.0
-    got_states = cache_states(cache)
+    got_states = io.states(cache)
     for b, n in enumerate(lengths):
         err = max(err, _cmp(res, logits[b, :n], expected[b]))
         _state_errors(got_states, b, alone_states[b], res.state_errors, res.state_scales)
@@ -801,7 +845,7 @@ def pad_sweep(
         errs: dict[str, float] = {}
         try:
             _, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-            _state_errors(cache_states(cache), 0, alone_states, errs)
+            _state_errors(io.states(cache), 0, alone_states, errs)
         except Exception as exc:  # noqa: BLE001 - a raising model is a finding: its point is drawn as inf
             logger.debug("pad_sweep: model raised with %d pads: %s", n, _format_error(exc))
             errs["raised"] = math.inf

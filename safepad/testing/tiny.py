@@ -253,6 +253,9 @@ NEW_FAMILIES: tuple[str, ...] = (
     "inkling2_text",
     "inkling2_loop_text",
     "zaya",
+    "recurrent_gemma",
+    "qwen4_exp_text",
+    "qwen4_exp",
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
@@ -265,6 +268,7 @@ _AUTO_CLASS: dict[str, str] = {
     "lfm2_vl": "AutoModelForImageTextToText",
     "lfm3_vl": "AutoModelForImageTextToText",
     "nemotron_h_omni": "AutoModelForImageTextToText",
+    "qwen4_exp": "AutoModelForImageTextToText",
 }
 
 _LFM3_TEXT: dict[str, Any] = {
@@ -302,6 +306,38 @@ _INKLING_TEXT: dict[str, Any] = {
     "layer_types": ["hybrid_sliding", "hybrid"],
     "n_layers_per_attn_res_block": 1,
 }
+# Qwen4-Exp: Gated DeltaNet + QSA-indexed attention + PLE on both linear layers (n-grams of 2-3 tokens, dilated conv
+# of width 4 over 2 hyper-connection streams); an indexer budget of 8 tokens in blocks of 4 so that it selects.
+_QWEN4_EXP_TEXT: dict[str, Any] = {
+    **_ATTN,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "hc_count": 2,
+    "hc_lowrank": 16,
+    "ple_layer_ids": [1, 3],
+    "ple_embed_dim": 32,
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 1000,
+    "make_ngram_vocab_size_divisible_by": 8,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+}
 _TINY.update(
     {
         "zaya": {
@@ -314,6 +350,27 @@ _TINY.update(
             "router_hidden_size": 16,
             "cca_time0": 3,  # conv state 3 = (3 - 1) + (2 - 1) inputs
             "cca_time1": 2,
+        },
+        "recurrent_gemma": {
+            "num_hidden_layers": 3,
+            "block_types": ["recurrent", "attention", "recurrent"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "lru_width": 64,
+            "conv1d_width": 4,
+            "attention_window_size": 64,  # longer than every audit row (see README limits)
+            "logits_soft_cap": 30.0,
+        },
+        "qwen4_exp_text": dict(_QWEN4_EXP_TEXT),
+        "qwen4_exp": {
+            "text_config": {**_COMMON, "model_type": "qwen4_exp_text", **_QWEN4_EXP_TEXT},
+            "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                              "out_hidden_size": 64},
+            "image_token_id": 250,
+            "video_token_id": 251,
+            "vision_start_token_id": 252,
+            "vision_end_token_id": 253,
         },
         "inkling_text": dict(_INKLING_TEXT),
         "inkling2_text": {**_INKLING_TEXT, "unpadded_vocab_size": 256},

@@ -53,12 +53,12 @@ def test_llama_checkpoint_is_a_usage_error(tmp_path, capsys):
 
 
 def test_recurrent_model_safepad_cannot_wrap_is_a_usage_error(tmp_path, capsys):
-    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
 
-    cfg = RecurrentGemmaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, lru_width=16, head_dim=8,
-                               attention_window_size=8, block_types=["recurrent", "attention"])  # fmt: skip
-    path = _save(RecurrentGemmaForCausalLM(cfg), tmp_path / "rg")
+    cfg = MiniMaxConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                        layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    path = _save(MiniMaxForCausalLM(cfg), tmp_path / "minimax")
     code, out, err = _run(["--model", path, "--scenarios", "left_pad_decode"], capsys, wrap_fn=wrap)
     assert code == 2, err
     assert "found no supported recurrent mixer" in err and "--no-wrap" in err and "Traceback" not in err + out

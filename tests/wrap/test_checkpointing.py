@@ -21,6 +21,7 @@ from safepad.wrap import wrapped_modules
 from .helpers import packed_batch
 
 FAMILIES = [
+    pytest.param("recurrent_gemma", id="recurrent_gemma"),
     pytest.param("mamba2", id="mamba2"),
     pytest.param("nemotron_h", id="nemotron_h"),
     pytest.param("qwen3_next", id="qwen3_next"),

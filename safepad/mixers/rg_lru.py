@@ -1,0 +1,137 @@
+"""The generic padding-correct Griffin recurrent block (RecurrentGemma's ``RecurrentGemmaRecurrentBlock``).
+
+Structure (transformers 5.23 / 5.24)::
+
+    y = act(linear_y(x))
+    u = conv_1d(linear_x(x))                 depthwise causal conv, width K
+    h = rg_lru(u)                            gated linear recurrence (safepad.ops.rg_lru)
+    out = linear_out(h * y)
+
+**Module-state adapter.** The stock block keeps its states on the modules (``conv1d_state`` ``[B, W, K-1]`` and
+``rg_lru.recurrent_states`` ``[B, W]`` float32), not in the cache, and it re-initialises them only when the
+model builds its own cache; it also ignores ``conv1d_state`` on a multi-token continuation chunk and caches
+the last columns of the padded row. The wrapped block keeps both states in the cache it is handed (the
+``LinearAttentionLayer`` that ``DynamicCache(config=...)`` builds for each recurrent layer; stock leaves it
+empty), so a fresh cache means a fresh sequence whatever the modules hold, and each row's states are those
+of its last *real* token. It mirrors them onto the module attributes after every cached call, so code that
+reads the module storage sees the same per-row states.
+
+Resets: the first real token of every sequence starts from a reset (``h = i * x``, as the stock module does at
+``position_ids == 0``): each packed sequence (``seq_idx``), and each row of a call with no cached state. A call
+that continues a cached state never resets (the stock one resets wherever ``position_ids`` is 0).
+
+Spec ``options``: ``activation`` (None: the module's ``act_fn``), ``c`` (8.0). Shapes: ``B`` batch, ``T`` tokens,
+``W`` = ``lru_width``, ``K`` conv width.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from ..cache import read_states, write_states
+from ..context import context_padding_mask
+from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.rg_lru import rg_lru, rg_lru_step
+from .common import hold_masked_rows, pop_cache, prepare_layout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["rg_lru_block_forward"]
+
+
+def _layer_idx(self) -> int:
+    idx = getattr(self, "layer_idx", None)
+    if idx is None:
+        idx = self.__dict__.get("_safepad_layer_idx")
+    if idx is None:
+        raise ValueError(
+            f"{type(self).__name__}: safepad could not tell which decoder layer this block is (its name holds no "
+            "layer index), so it cannot find its states in the cache; wrap the whole model (safepad.wrap(model))"
+        )
+    return idx
+
+
+def _check_cache_layer(cache, idx: int) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers is None or idx >= len(layers) or not hasattr(layers[idx], "conv_states"):
+        raise ValueError(
+            f"the cache passed to the wrapped recurrent block of layer {idx} has no recurrent layer there "
+            f"({type(cache).__name__}); pass DynamicCache(config=model.config) (what generate() builds), whose "
+            "recurrent layers hold the per-row RG-LRU and conv states"
+        )
+
+
+def rg_lru_block_forward(
+    self,
+    input_states: Tensor,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    use_cache: bool = True,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """Padding/packing-correct forward of a Griffin recurrent block. ``input_states [B, T, D]`` -> ``([B, T, D], None)``.
+
+    ``position_ids`` are not read (resets come from the boundaries and the cache); ``attention_mask`` is the
+    model's 4-D attention mask, so the padding mask comes from the model call (a 2-D mask passed here wins).
+    """
+    opts = self._safepad_spec.options
+    backend = self._safepad_backend
+    cache = pop_cache(None, kwargs)
+    if not use_cache:
+        cache = None
+    B, T = input_states.shape[:2]
+    mask2d = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 else None
+    if mask2d is None:
+        mask2d = context_padding_mask((B, T))
+    idx = _layer_idx(self) if cache is not None else -1
+    if cache is not None:
+        _check_cache_layer(cache, idx)
+    hidden, layout = prepare_layout(self, input_states, mask2d, cache, kwargs)
+    if layout.sp is not None:
+        raise ValueError(
+            f"{type(self).__name__}: sequence parallelism (safepad.distributed) does not cover the RG-LRU yet; run "
+            "RecurrentGemma without a sequence-parallel group"
+        )
+    mask = layout.mask
+    dtype = hidden.dtype
+    if mask is not None:
+        hidden = torch.where(mask[..., None], hidden, 0.0)  # pads contribute nothing (even a NaN)
+    y_branch = self.act_fn(self.linear_y(hidden))  # [B, T, W]
+    x_branch = self.linear_x(hidden)  # [B, T, W]
+    conv = self.conv_1d
+    weight = conv.weight.squeeze(1)  # [W, 1, K] -> [W, K]
+    K = weight.shape[-1]
+    lru = self.rg_lru
+    params = (lru.input_gate_weight, lru.input_gate_bias, lru.recurrent_gate_weight, lru.recurrent_gate_bias,
+              lru.recurrent_param)
+    c = float(opts.get("c", 8.0))
+    past = read_states(cache, idx) if cache is not None else read_states(None, 0)
+
+    if past.has_previous and T == 1:
+        u, conv_new = causal_conv1d_step(x_branch[:, 0], past.conv, weight, conv.bias, backend=backend)  # [B, W]
+        conv_new = hold_masked_rows(mask, conv_new, past.conv)  # [B, W, K-1]
+        h, rec_new = rg_lru_step(u, past.recurrent, *params, c=c, token_mask=None if mask is None else mask[:, 0])
+        h = h[:, None]  # [B, 1, W]
+    else:
+        want = cache is not None
+        out = causal_conv1d(
+            x_branch, weight, conv.bias, seq_idx=layout.seq_idx, initial_state=past.conv, token_mask=mask,
+            return_final_state=want, state_len=max(K - 1, 1), backend=backend,
+        )
+        u, conv_new = out if want else (out, None)  # [B, T, W], [B, W, K-1]
+        out = rg_lru(
+            u, *params, c=c, seq_idx=layout.seq_idx, initial_state=past.recurrent, token_mask=mask,
+            return_final_state=want,
+        )
+        h, rec_new = out if want else (out, None)  # [B, T, W], [B, W] float32
+    if cache is not None:
+        conv_new = conv_new.to(x_branch.dtype)
+        write_states(cache, idx, conv=conv_new, recurrent=rec_new)
+        self.conv1d_state, lru.recurrent_states = conv_new, rec_new  # the module storage mirrors the cache
+    elif not use_cache:
+        self.conv1d_state, lru.recurrent_states = None, None  # as the stock block
+    out = self.linear_out((h * y_branch).to(dtype))  # [B, T, D]
+    return layout.restore(out), None
