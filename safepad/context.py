@@ -69,6 +69,9 @@ class CallContext:
     #: ``[B, 1]`` bool for a one-token step whose 2-D mask marks some rows' new token as padding
     #: (transformers passes no mask to recurrent layers on one-token steps).
     decode_mask: Tensor | None = None
+    #: ``[B, T]`` bool mask of the current tokens when it is not the attention mask's last ``T`` columns: a
+    #: slot-justified call (``safepad.layout.slots``), whose attention mask describes cache slots
+    token_mask: Tensor | None = None
     #: per-call memo of the mask analysis, so each layer of one call does not redo it (``safepad.mixers``)
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -326,6 +329,14 @@ def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
     except AttributeError:  # pragma: no cover - very old torch
         return False
+
+
+def context_token_mask(shape: tuple[int, int]) -> Tensor | None:
+    """The model call's ``[B, T]`` current-token mask when it overrides the mask a mixer is given, else None."""
+    ctx = current_context()
+    if ctx is not None and ctx.token_mask is not None and ctx.shape == tuple(shape):
+        return ctx.token_mask
+    return None
 
 
 def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:
