@@ -307,6 +307,18 @@ class _ModelPreHook:
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
+        given = kwargs.get("attention_mask")  # the caller's mask (a slot-justified call replaces it below)
+        if (
+            isinstance(given, torch.Tensor) and given.dim() == 2 and T > 1
+            and bool((given[:, -1] == 0).any()) and _inside_generate()
+        ):
+            row = int((given[:, -1] == 0).nonzero()[0])
+            raise ValueError(
+                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
+                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
+                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
+                "(tokenizer.padding_side = 'left') for generate()."
+            )
         token_mask = None
         if info["slot_positions"]:
             args, kwargs = _slot_justify(module, info, args, kwargs, B, T)
@@ -323,14 +335,6 @@ class _ModelPreHook:
             position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
             padding_mask=mask if padding else None,
         )
-        if padding and T > 1 and bool((mask[:, -1] == 0).any()) and _inside_generate():
-            row = int((mask[:, -1] == 0).nonzero()[0])
-            raise ValueError(
-                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
-                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
-                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
-                "(tokenizer.padding_side = 'left') for generate()."
-            )
         if source == "none":
             seq_idx, source = _boundaries_of_enclosing_call(module, (B, T), position_ids, mask if padding else None)
         kwargs.pop("seq_idx", None)

@@ -85,12 +85,11 @@ def _plain_dynamic(layer) -> bool:
 class _JustifyingUpdate:
     """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update."""
 
-    def __init__(self, cache, n_past: Tensor, new_real: Tensor, past_len: int):
+    def __init__(self, cache, n_past: Tensor, new_real: Tensor):
         self.cache = cache
         self.original = type(cache).update.__get__(cache)
         self.n_past = n_past  # [B]
         self.new_real = new_real  # [B]
-        self.past_len = past_len
 
     def __call__(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -108,8 +107,8 @@ class _JustifyingUpdate:
                     f"safepad: cache layer {layer_idx} holds {keys.shape[0]} rows but the call has "
                     f"{self.n_past.shape[0]}"
                 )
-            # stored slots are the last `stored` of the `past_len` cached ones: their real count
-            past_real = (self.n_past - (self.past_len - stored)).clamp(min=0)
+            # stored slots are the last `stored` of the `past_len` cached ones, and real slots are the last ones
+            past_real = self.n_past.clamp(max=stored)
             layer.keys, key_states = justify_kv(layer.keys, key_states, past_real, self.new_real)
             layer.values, value_states = justify_kv(layer.values, value_states, past_real, self.new_real)
         return self.original(key_states, value_states, layer_idx, *args, **kwargs)
@@ -178,7 +177,7 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
-        cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new, self.past_len)
+        cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
         self._cache = cache
 
     def uninstall(self) -> None:
