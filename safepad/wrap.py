@@ -78,8 +78,10 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     def forward(self, *args, **kwargs):
         return spec.forward(self, *args, **kwargs)
 
-    if _force_accelerate_hooks is not None and spec.options.get("accelerate_children", ("conv1d",)):
-        forward = _force_accelerate_hooks(list(spec.options.get("accelerate_children", ("conv1d",))))(forward)
+    children = spec.options.get("accelerate_children", ("conv1d",))
+    children = spec.options.get("accelerate_children_by_class", {}).get(orig.__name__, children)
+    if _force_accelerate_hooks is not None and children:
+        forward = _force_accelerate_hooks(list(children))(forward)
 
     def extra_repr(self) -> str:
         base = orig.extra_repr(self)

@@ -251,10 +251,11 @@ NEW_FAMILIES: tuple[str, ...] = (
     "inkling2_text",
     "inkling2_loop_text",
     "zaya",
+    "glm5_next",
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
-UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ("glm5_next",)
+UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ()
 #: the transformers release each family first appears in (families absent from the installed one cannot be built)
 FAMILY_MIN_TRANSFORMERS: dict[str, str] = {"lara_mini": "5.24.0", "inkling2_loop_text": "5.24.0"}
 #: auto class building each family (default ``AutoModelForCausalLM``): VLM wrappers are image-text-to-text models
@@ -375,8 +376,10 @@ _TINY.update(
                 "qk_nope_head_dim": 16,
                 "v_head_dim": 16,
                 "index_head_dim": 16,
-                "index_n_heads": 2,
-                "index_topk": 64,
+                "index_n_heads": 16,  # a pool scores exactly 0 (relu of every head) almost never: no ties
+                # pools of 4 keys, 2 selected per query (+ its tail): the top-k selection matters on audit rows
+                "index_topk": 8,
+                "index_kpool": 4,
                 "hc_mult": 2,
             },
             "vision_config": {

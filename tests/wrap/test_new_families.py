@@ -33,6 +33,7 @@ MIXER_CLASS = {
     "inkling2_text": ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),
     "inkling2_loop_text": ("Inkling2LoopShortConvolution", "Inkling2LoopDynamicShortConvolution"),
     "zaya": ("ZayaCCAProjection",),
+    "glm5_next": ("Glm5NextTextLinearAttention", "Glm5NextTextIndexer"),
 }
 #: layouts every stock model here gets wrong (the cached states of chunked_prefill_pad, the logits of the others)
 STOCK_BROKEN = ("packed_position_ids", "packed_cu_seq_lens", "right_pad_decode", "chunked_prefill_pad")
