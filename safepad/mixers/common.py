@@ -87,8 +87,12 @@ def prepare_layout(
     override = context_token_mask((B, T))  # a slot-justified call: the tokens' own mask, not the slots'
     if override is not None:
         attention_mask = override
-    if attention_mask is None and T == 1:
-        attention_mask = context_decode_mask((B, T))  # transformers drops the mask on one-token steps
+    if T == 1:
+        # transformers drops the mask on one-token steps (or, glm5_next, replaces it by ones): the caller's
+        # mask of this step, when it marks some rows' token as padding, comes from the call context
+        step = context_decode_mask((B, T))
+        if step is not None:
+            attention_mask = step
     if tracing():
         mask, compaction, right_padded = _analyse_mask_traced(attention_mask, (B, T))
     else:

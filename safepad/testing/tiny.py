@@ -255,7 +255,7 @@ NEW_FAMILIES: tuple[str, ...] = (
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
-UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ()
+UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ("recurrent_gemma",)
 #: the transformers release each family first appears in (families absent from the installed one cannot be built)
 FAMILY_MIN_TRANSFORMERS: dict[str, str] = {"lara_mini": "5.24.0", "inkling2_loop_text": "5.24.0"}
 #: auto class building each family (default ``AutoModelForCausalLM``): VLM wrappers are image-text-to-text models
@@ -358,6 +358,15 @@ _TINY.update(
             "v_head_dim": 16,
             "head_dim": 16,
             "num_nextn_predict_layers": 0,
+        },
+        "recurrent_gemma": {
+            "num_hidden_layers": 3,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "lru_width": 64,
+            "attention_window_size": 16,
+            "block_types": ["recurrent", "recurrent", "attention"],
         },
         "glm5_next": {
             "text_config": {
