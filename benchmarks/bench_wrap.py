@@ -24,6 +24,7 @@ import time
 import torch
 
 import safepad
+from safepad.cache import cache_argument, output_cache
 
 
 def _once(fn) -> float:
@@ -117,19 +118,21 @@ def bench_prefill(T: int, n_chunks: int, hidden: int, rounds: int) -> tuple[floa
     def full():
         return model(input_ids=ids, use_cache=True).logits
 
+    kw = cache_argument(model)  # past_key_values on transformers 5.23, cache on 5.24
+
     def chunked():
         cache, outs = None, []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            out = model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=ids[:, a:b], **{kw: cache}, use_cache=True)
+            cache = output_cache(out)
             outs.append(out.logits)
         return torch.cat(outs, 1)
 
     def tokenwise():
         out = model(input_ids=ids[:, :1], use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         for t in range(1, T):
-            cache = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).past_key_values
+            cache = output_cache(model(input_ids=ids[:, t : t + 1], **{kw: cache}, use_cache=True))
 
     err = (chunked() - full()).abs().max().item()
     best, times = _interleaved({"full": full, "chunked": chunked}, rounds)

@@ -11,7 +11,8 @@ same shapes and prints the ratio (target <= 1.05). Without CUDA it runs a torch-
 ``skipping kernel half: <reason>`` and exits 0; ``--emulate`` runs part 1 on CPU through
 ``safepad.testing.kernel_emulation`` (Triton interpreter, C++ stand-ins) at small shapes.
 
-Extend it by appending a function to ``CHECKS``: ``check(device: str) -> list[Row]``.
+Extend it by appending a function to ``CHECKS``: ``check(device: str) -> list[Row]``. With CUDA (kernels or
+not) it also runs ``check_fsdp2_accelerate``: the FSDP2 recipe through accelerate, which cannot run on CPU.
 Exit status: 0 when every row passes (or the kernel half is skipped), 1 otherwise.
 """
 
@@ -379,6 +380,69 @@ def cpu_self_check() -> list[Row]:
     return [Row("torch core: packed == per-sequence (cpu)", "float32", err, 1e-5)]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 through accelerate (issue 13). Needs CUDA, not the kernels. accelerate cannot run FSDP on CPU (it selects
+# DistributedType.FSDP only for accelerator device types; see tests/examples/test_train_packed.py), so this is
+# where the docs' FSDP2 recipe runs: examples/train_packed.py under `accelerate launch --use_fsdp --fsdp_version 2`
+# with each NemotronHBlock an FSDP unit, against the same 4 packed rows per step in one process.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_fsdp2_accelerate(steps: int = 4) -> list[Row]:
+    """Per-step losses of FSDP2 (min(2, #GPUs) processes) == one process; FSDP units and sharding verified.
+
+    One row: max relative loss difference over the steps, tolerance 5e-6 (the DDP / FSDP2 CPU tests'); a run
+    that did not shard (not FSDP, no NemotronHBlock unit, no DTensor parameter, or safepad's mixers lost)
+    reports inf. With one GPU the FSDP2 world has one rank (units and DTensors, no cross-rank reduction).
+    """
+    import json
+    import os
+    import socket
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    nproc = min(2, torch.cuda.device_count())
+    small = ["--max-length", "128", "--max-docs", "120", "--logging-steps", "1", "--seed", "0",
+             "--max-steps", str(steps), "--device", "auto"]  # fmt: skip
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2",
+            "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap",
+            "NemotronHBlock", "--fsdp_reshard_after_forward", "true", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+            "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+            "no", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "HF_HOME": os.path.join(tmp, "hf"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+        logs = {}
+        for name, launcher, batch in (("fsdp", fsdp, 4 // nproc), ("one", [sys.executable], 4)):
+            out = os.path.join(tmp, name)
+            cmd = [*launcher, str(root / "examples" / "train_packed.py"), "--output-dir", out,
+                   "--batch-size", str(batch), *small]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
+            if proc.returncode != 0:
+                print(proc.stdout[-2000:], proc.stderr[-4000:])
+                return [Row(f"fsdp2 accelerate: {name} run exited {proc.returncode}", "float32", float("inf"), 5e-6)]
+            with open(os.path.join(out, "train_log.json")) as f:
+                logs[name] = json.load(f)
+    multi, single = logs["fsdp"], logs["one"]
+    print(f"fsdp2 accelerate: {multi['distributed_type']} v{multi['fsdp_version']}, units {multi['fsdp_units']}, "
+          f"{multi['sharded_params']} sharded params, {multi['wrapped_mixers']} wrapped mixers, {nproc} process(es)")
+    sharded = (multi["distributed_type"] == "FSDP" and multi["fsdp_version"] == 2 and multi["sharded_params"] > 0
+               and "NemotronHBlock" in multi["fsdp_units"] and multi["wrapped_mixers"] == 2)  # fmt: skip
+    one = [h["loss"] for h in single["log_history"] if "loss" in h]
+    two = [h["loss"] for h in multi["log_history"] if "loss" in h]
+    complete = sharded and len(one) == len(two) == steps
+    err = max(abs(a - b) / abs(a) for a, b in zip(one, two)) if complete else float("inf")
+    return [Row(f"fsdp2 accelerate ({nproc} proc) losses vs 1 proc", "float32", err, 5e-6)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end of the FSDP2 check
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def print_table(rows: list[Row]) -> None:
     print(f"{'check':<44} {'dtype':<9} {'max rel err':>11} {'tol':>8} {'kernel ms':>10} {'torch ms':>10}  ok")
     for r in rows:
@@ -415,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(check(device))
             except Exception as e:
                 rows.append(Row(f"{check.__name__}: {type(e).__name__}: {str(e)[:60]}", "-", float("inf"), 0.0))
+    if torch.cuda.is_available():  # FSDP2 through accelerate needs CUDA, not the kernels
+        try:
+            rows.extend(check_fsdp2_accelerate())
+        except Exception as e:
+            rows.append(Row(f"check_fsdp2_accelerate: {type(e).__name__}: {str(e)[:60]}", "-", float("inf"), 0.0))
     print_table(rows)
     if reason is not None:
         print(f"skipping kernel half: {reason}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -35,8 +36,9 @@ from pathlib import Path
 import torch
 
 import safepad
+from safepad.cache import cache_argument, output_cache
 from safepad.testing import cache_states
-from safepad.testing.tiny import CACHE_PARAMS_FAMILIES, MAMBA2_FAMILIES, tiny_model
+from safepad.testing.tiny import MAMBA2_FAMILIES, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_data import EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
@@ -66,11 +68,18 @@ def _turn_ids(tokenizer: ByteTokenizer) -> list[list[list[int]]]:
 
 
 class _Runner:
-    """One forward of a causal LM with a cache, whatever the family calls its cache argument."""
+    """One forward of a causal LM with a cache, whatever its forward calls the cache argument.
 
-    def __init__(self, model: torch.nn.Module, family: str) -> None:
+    The name comes from the forward's signature (``cache`` on transformers 5.24, ``cache_params`` or
+    ``past_key_values`` on 5.23) and the returned cache from the field the output class declares.
+    Models without ``position_ids`` (Mamba, Mamba2, FalconMamba: no attention) get no mask on one-token
+    steps, as ``generate()`` does for them.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.cache_kw = "cache_params" if family in CACHE_PARAMS_FAMILIES else "past_key_values"
+        self.cache_kw = cache_argument(model)
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
     @torch.no_grad()
     def __call__(self, ids, mask=None, cache=None, use_cache=True):
@@ -78,12 +87,12 @@ class _Runner:
         kwargs = {"input_ids": ids, "use_cache": use_cache}
         if mask is not None:
             kwargs["attention_mask"] = mask
-            if self.cache_kw == "past_key_values":
+            if self.takes_positions:
                 kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[:, -ids.shape[1] :]  # [B, T]
         if cache is not None:
             kwargs[self.cache_kw] = cache
         out = self.model(**kwargs)
-        return out.logits.float(), getattr(out, self.cache_kw, None) if use_cache else None
+        return out.logits.float(), output_cache(out) if use_cache else None
 
 
 def _greedy(logits: torch.Tensor) -> int:
@@ -138,7 +147,7 @@ def chunked(run: _Runner, turns: list[list[list[int]]], new_tokens: int):
             break
         tok = torch.tensor([[g[-1]] for g in generated])  # [B, 1]
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)  # [B, past + 1]
-        logits, cache = run(tok, mask if run.cache_kw == "past_key_values" else None, cache)
+        logits, cache = run(tok, mask if run.takes_positions else None, cache)
         step_logits = [logits[b, -1] for b in range(batch)]
     return [torch.cat(rows) for rows in real_logits], states, generated
 
@@ -189,12 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float, int] | 
 
     lengths = [[len(t) for t in conv] for conv in turns]
     print(f"model: tiny {args.family} (mixers strengthened), {len(turns)} conversations, turn lengths {lengths}")
-    ref_out = reference(_Runner(stock, args.family), turns, args.new_tokens)
+    ref_out = reference(_Runner(stock), turns, args.new_tokens)
     results: dict[str, tuple[float, float, int] | str] = {}
     generated: list[list[int]] = []
     for name, model in (("stock", stock), ("safepad.wrap", wrapped)):
         try:
-            got = chunked(_Runner(model, args.family), turns, args.new_tokens)
+            got = chunked(_Runner(model), turns, args.new_tokens)
         except (RuntimeError, ValueError) as exc:
             if model is wrapped:
                 raise

@@ -16,6 +16,9 @@ Run::
     accelerate launch --multi_gpu --num_processes 2 examples/train_packed.py   # 2-process DDP (gloo on CPU)
     torchrun --nproc_per_node 2 examples/train_packed.py                       # the same without accelerate
     accelerate launch --cpu --num_processes 2 examples/train_packed.py         # runs, but as ONE process
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 \
+        --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
+        --fsdp_transformer_layer_cls_to_wrap NemotronHBlock examples/train_packed.py   # FSDP2, block-level
 
 The script is unchanged under every launcher. Note that accelerate 1.15 starts a single process for
 ``--cpu --num_processes 2`` (multi-CPU needs an MPI hostfile); ``--multi_gpu`` on a machine without GPUs
@@ -23,7 +26,10 @@ starts the two processes, and ``TrainingArguments(use_cpu=True)`` makes them DDP
 
 The script prints the training loss of every logging step and the throughput in *real* tokens per second
 (document tokens, not the collator's pad tail). With ``--output-dir`` set it also writes
-``train_log.json`` (the Trainer's log history plus the token counts) there, from the main process.
+``train_log.json`` (the Trainer's log history plus the token counts) there, from the main process. The log
+also records how the model was distributed (``distributed_type``, ``fsdp_version``, the classes of the
+modules FSDP2 sharded as their own units, how many parameters are sharded DTensors) and how many
+safepad-patched mixers the trained (possibly sharded) model still holds.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from transformers import (
 from transformers.trainer_callback import PrinterCallback
 
 import safepad
+from safepad.wrap import wrapped_modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_data import (
@@ -92,6 +99,38 @@ def build_model(family: str, seed: int) -> torch.nn.Module:
 
         config = tiny_config(family, vocab_size=VOCAB_SIZE)
     return AutoModelForCausalLM.from_config(config)
+
+
+def distribution_summary(trainer: Trainer) -> dict:
+    """How the Trainer distributed the model: accelerate's distributed type, FSDP version and FSDP2 units.
+
+    ``fsdp_units`` lists the original classes of the modules that ``fully_shard`` made FSDP units (FSDP2
+    swaps each unit's class for ``FSDP<Class>``); ``sharded_params`` counts parameters held as DTensors.
+    ``wrapped_mixers`` counts safepad-patched mixers in the model as trained (sharding must keep them).
+    """
+    acc = trainer.accelerator
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    model = trainer.model_wrapped
+    units: set[str] = set()
+    sharded = 0
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without FSDP2
+        FSDPModule = DTensor = None  # noqa: N806
+    if FSDPModule is not None:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                base = next((c for c in type(m).__mro__ if not issubclass(c, FSDPModule)), type(m))
+                units.add(base.__name__)
+        sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    return {
+        "distributed_type": str(acc.distributed_type).rsplit(".", 1)[-1],
+        "fsdp_version": getattr(plugin, "fsdp_version", None) if plugin is not None else None,
+        "fsdp_units": sorted(units),
+        "sharded_params": int(sharded),
+        "wrapped_mixers": len(wrapped_modules(model)),
+    }
 
 
 class _CountingCollator:
@@ -168,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="stdlib docstrings to train on (default 1500)",
     )
     p.add_argument("--logging-steps", type=int, default=5)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "auto"),
+        default="cpu",
+        help="cpu (default; gloo between processes) or auto (the accelerator when there is one, e.g. for FSDP)",
+    )
     args = p.parse_args(argv)
     for name in ("max_steps", "max_length", "batch_size", "max_docs", "logging_steps"):
         if getattr(args, name) < 1:
@@ -191,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     packed, stats = safepad.pack_dataset(tokenized, args.max_length, return_stats=True)
 
     model = safepad.wrap(build_model(args.family, args.seed))
+    use_cpu = args.device == "cpu" or not torch.cuda.is_available()
     counter = _CountingCollator(safepad.DataCollatorForPackedSSM(pad_to_multiple_of=64, pad_token_id=PAD_ID))
     output_dir = args.output_dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "safepad-train-packed")
     training_args = TrainingArguments(
@@ -206,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         save_strategy="no",
         report_to=[],
         seed=args.seed,
-        use_cpu=True,
+        use_cpu=use_cpu,
         dataloader_num_workers=0,
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
@@ -214,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         # Mamba / Mamba2 / FalconMamba, whose forward has none. Keep them there, or every packed row would
         # collate as ONE sequence (pack_dataset keeps only packable columns, so nothing else gets through).
         remove_unused_columns="position_ids" in inspect.signature(model.forward).parameters,
-        ddp_backend="gloo" if world_size > 1 else None,
+        ddp_backend="gloo" if world_size > 1 and use_cpu else None,
     )
     trainer = Trainer(
         model=model,
@@ -258,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": elapsed,
         "real_tokens_per_s": real_tokens / elapsed,
         "log_history": trainer.state.log_history,
+        **distribution_summary(trainer),
     }
     if main_process:
         print(

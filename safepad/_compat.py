@@ -9,10 +9,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TESTED_TRANSFORMERS", "check_transformers_version"]
 
-#: transformers versions safepad is tested against: [min, max). Mixers are matched by class name and follow
-#: the 5.23 module layout; later 5.x releases are expected to work (the cache kwarg rename of 5.24 is handled)
-#: but are not part of the test matrix.
-TESTED_TRANSFORMERS = ("5.23.0", "5.24.0")
+#: transformers versions safepad is tested against: [min, max), i.e. every 5.23.x and 5.24.x release. CI runs
+#: the suite at both ends (constraints/tested.txt: 5.23.0, constraints/newest.txt: 5.24.0); the cache
+#: argument / output names of both (``cache_params`` / ``past_key_values`` in 5.23, ``cache`` in 5.24) are
+#: read from what each forward declares (safepad.cache). Raise max when a newer release joins the matrix.
+TESTED_TRANSFORMERS = ("5.23.0", "5.25.0")
 
 
 def _parse(v: str) -> tuple[int, ...]:
@@ -33,8 +34,9 @@ def check_transformers_version(version: str | None = None) -> bool:
     ok = _parse(lo) <= _parse(version) < _parse(hi)
     if not ok:
         msg = (
-            f"safepad is tested with transformers >= {lo}, < {hi}; found {version}. The patched mixers follow "
-            "the 5.23 module layout: run `safepad audit` on your model to confirm that wrapping is still correct."
+            f"safepad is tested with transformers >= {lo}, < {hi}; found {version}. Mixers are matched by class "
+            "name and follow the module layout of the tested releases: run `safepad audit` on your model to "
+            "confirm that wrapping is still correct."
         )
         warnings.warn(msg, UserWarning, stacklevel=3)
         logger.warning(msg)

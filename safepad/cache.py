@@ -1,18 +1,100 @@
-"""One adapter between safepad's mixers and transformers' recurrent cache layers.
+"""One adapter between safepad and transformers' caches: names, recurrent states, token counts.
 
-transformers 5.x keeps a recurrent layer's states in ``cache.layers[layer_idx]`` (``LinearAttentionLayer``):
-``conv_states[i]`` ``[B, D, K]`` (the last K conv inputs, oldest first) and ``recurrent_states[i]`` (the
-SSM / delta-rule state). The stock cache layer never sees the padding mask, so safepad computes the final
-states itself and writes them whole through :func:`write_states`.
+* **Names.** transformers has called the cache argument of a forward (and the cache field of its output)
+  ``cache_params`` and ``past_key_values`` (5.23) and ``cache`` (5.24). :data:`CACHE_NAMES` lists them;
+  :func:`cache_argument` reads the name a forward declares and :func:`output_cache` the field an output
+  class declares, so no caller decides by family or by version.
+* **States.** transformers 5.x keeps a recurrent layer's states in ``cache.layers[layer_idx]``
+  (``LinearAttentionLayer``): ``conv_states[i]`` ``[B, D, K]`` (the last K conv inputs, oldest first) and
+  ``recurrent_states[i]`` (the SSM / delta-rule state). The stock cache layer never sees the padding mask,
+  so safepad computes the final states itself and writes them whole through :func:`write_states`.
+* **Token counts.** A cache with no attention layer (a Nemotron-H, Bamba, ... whose layers are all Mamba)
+  cannot answer ``get_seq_length`` / ``get_mask_sizes`` in transformers 5.23 / 5.24: they raise
+  ``ValueError: get_seq_length can only be called on Attention layers``, which the model's own forward
+  (when ``position_ids`` are not given), its mask construction and ``generate`` all call. The model hooks of
+  :func:`safepad.wrap` hand such models a cache that counts the tokens it has seen
+  (:func:`track_seq_length`) and answers from that count; attention-bearing caches are left alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextvars
+import inspect
+import logging
+import sys
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
 
 from torch import Tensor
 
-__all__ = ["CachedStates", "read_states", "write_states"]
+from ._tracing import tracing
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CACHE_NAMES",
+    "CachePreHook",
+    "CachedStates",
+    "SafepadGenerate",
+    "cache_post_hook",
+    "cache_argument",
+    "cache_from_kwargs",
+    "fresh_cache_is_recurrent_only",
+    "new_tracked_cache",
+    "output_cache",
+    "read_states",
+    "recurrent_only",
+    "track_seq_length",
+    "write_states",
+]
+
+#: Every name transformers has given the cache argument of a forward and the cache field of its output
+#: (5.23: ``cache_params`` for mamba / mamba2 / falcon_mamba and their mixers, ``past_key_values`` elsewhere;
+#: 5.24: ``cache`` everywhere). A new name must be added here: ``tests/test_cache_names.py`` fails until it is.
+CACHE_NAMES: tuple[str, ...] = ("cache", "cache_params", "past_key_values")
+
+
+def cache_argument(forward: Any) -> str | None:
+    """The cache argument that ``forward`` (a function or a module) declares, one of :data:`CACHE_NAMES`.
+
+    ``None`` when it declares none (a ``**kwargs``-only forward, or a model without a cache). A mixer patched
+    by :func:`safepad.wrap` answers for its original class (its own forward takes every name).
+    """
+    if not inspect.isroutine(forward) and hasattr(forward, "forward"):
+        original = getattr(type(forward), "_safepad_original_class", None)
+        fn = original.forward if original is not None else forward.forward
+    else:
+        fn = forward
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((n for n in CACHE_NAMES if n in params), None)
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model output carries, under whichever of :data:`CACHE_NAMES` its class declares (or None).
+
+    Reads the declared dataclass field, so transformers' deprecated aliases (``out.past_key_values`` on 5.24)
+    are never touched; plain dicts and objects are read by attribute / key.
+    """
+    if output is None:
+        return None
+    if is_dataclass(output):
+        declared = {f.name for f in fields(output)}
+        name = next((n for n in CACHE_NAMES if n in declared), None)
+        return None if name is None else getattr(output, name, None)
+    if isinstance(output, dict):
+        return next((output[n] for n in CACHE_NAMES if output.get(n) is not None), None)
+    return next((getattr(output, n) for n in CACHE_NAMES if getattr(output, n, None) is not None), None)
+
+
+def cache_from_kwargs(kwargs: dict) -> tuple[str | None, Any]:
+    """``(name, cache)`` of the first cache passed in ``kwargs`` under any of :data:`CACHE_NAMES`."""
+    for name in CACHE_NAMES:
+        if kwargs.get(name) is not None:
+            return name, kwargs[name]
+    return None, None
 
 
 @dataclass
@@ -69,3 +151,276 @@ def write_states(
         cache.update_conv_state(conv, layer_idx, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
     if recurrent is not None:
         cache.update_recurrent_state(recurrent, layer_idx, state_idx=state_idx)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# caches without an attention layer: the token count transformers cannot give
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _attention_mixin():
+    from transformers import cache_utils
+
+    return getattr(cache_utils, "CacheLayerMixin", None)
+
+
+def recurrent_only(cache: Any) -> bool:
+    """True for a transformers cache whose layers hold recurrent states and no attention (key/value) layer."""
+    layers = getattr(cache, "layers", None)
+    mixin = _attention_mixin()
+    if not layers or mixin is None:
+        return False
+    if any(isinstance(layer, mixin) for layer in layers):
+        return False
+    return any(hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states") for layer in layers)
+
+
+def _config_of(model: Any) -> Any:
+    return getattr(model, "config", None)
+
+
+def fresh_cache_is_recurrent_only(config: Any) -> bool:
+    """Whether ``DynamicCache(config=config)`` (the cache the model and ``generate`` build) has no attention layer."""
+    if config is None:
+        return False
+    try:
+        from transformers import DynamicCache
+
+        return recurrent_only(DynamicCache(config=config))
+    except Exception:  # noqa: BLE001 - a config transformers cannot build a cache from: nothing to track
+        return False
+
+
+class _TracksSeqLength:
+    """Mixin of a cache without attention layers: the sequence length comes from safepad's token count.
+
+    ``get_seq_length`` / ``get_mask_sizes`` (and ``get_query_offset``, which calls the former) answer from
+    ``_safepad_seen_tokens``, the number of token positions (pads included, as an attention cache counts
+    them) that the wrapped model has run through this cache. A cache that held states before safepad first
+    saw it has no known count and raises a ``ValueError`` that says so.
+    """
+
+    def _safepad_length(self) -> int:
+        seen = self.__dict__.get("_safepad_seen_tokens")
+        if seen is None:
+            raise ValueError(
+                "this cache holds recurrent states that were written before safepad saw it (by an unwrapped model), "
+                "and it has no attention layer, so nobody knows how many tokens it holds. Build the cache with the "
+                "wrapped model: pass no cache (or an empty DynamicCache(config=model.config)) to its first call."
+            )
+        return int(seen)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if not recurrent_only(self):
+            return super().get_seq_length(layer_idx)  # type: ignore[misc]
+        return self._safepad_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if not recurrent_only(self):
+            return super().get_mask_sizes(query_length, layer_idx)  # type: ignore[misc]
+        return self._safepad_length() + int(query_length), 0
+
+    def reset(self) -> None:
+        super().reset()  # type: ignore[misc]
+        self.__dict__["_safepad_seen_tokens"] = 0
+
+    # generate() marks a cache it was handed as the user's (it then outlives generate and turns off the
+    # deferred stop check on CUDA); a cache that safepad built for that generate call stays generate's own.
+    @property
+    def _is_user_defined(self) -> bool:
+        return bool(self.__dict__.get("_safepad_user_defined", False))
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        if not self.__dict__.get("_safepad_owned", False):
+            self.__dict__["_safepad_user_defined"] = bool(value)
+
+
+_TRACKING: dict[type, type] = {}
+
+
+def _tracking_class(base: type) -> type:
+    if issubclass(base, _TracksSeqLength):
+        return base
+    cls = _TRACKING.get(base)
+    if cls is None:
+        name = f"SafepadLength{base.__name__}"
+        cls = type(name, (_TracksSeqLength, base), {"__module__": __name__, "__qualname__": name})
+        _TRACKING[base] = cls
+        setattr(sys.modules[__name__], name, cls)  # so pickle / deepcopy find the class
+    return cls
+
+
+def __getattr__(name: str):
+    """``SafepadLength<Cache>`` classes are generated on first use; in a fresh process (``pickle.load`` of a
+    tracked cache or of a model output holding one) they are rebuilt from ``transformers.cache_utils``."""
+    if name.startswith("SafepadLength"):
+        from transformers import cache_utils
+
+        base = getattr(cache_utils, name[len("SafepadLength") :], None)
+        if isinstance(base, type):
+            return _tracking_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _holds_states(cache: Any) -> bool:
+    for layer in getattr(cache, "layers", ()):
+        if any(getattr(layer, "has_previous_state", {}).values()):
+            return True
+    return False
+
+
+def track_seq_length(cache: Any) -> Any:
+    """Make a recurrent-only ``cache`` answer ``get_seq_length`` from a token count (in place; returns it).
+
+    No-op for caches with an attention layer and for caches already tracked. An empty cache starts at 0;
+    one that already holds states has an unknown count (its length queries raise a clear ``ValueError``).
+    """
+    if cache is None or isinstance(cache, _TracksSeqLength) or not recurrent_only(cache):
+        return cache
+    cache.__class__ = _tracking_class(type(cache))
+    cache.__dict__["_safepad_seen_tokens"] = None if _holds_states(cache) else 0
+    return cache
+
+
+def new_tracked_cache(config: Any, *, owned: bool = False) -> Any:
+    """An empty ``DynamicCache(config=config)`` that counts its tokens (``owned``: built by safepad for generate)."""
+    from transformers import DynamicCache
+
+    # built as the tracking class and counted by attribute: no ``__class__`` swap and no ``__dict__`` write,
+    # which dynamo cannot trace (or which make it break on later mapping-proxy reads) in a compiled forward
+    cache = _tracking_class(DynamicCache)(config=config)
+    cache._safepad_seen_tokens = 0
+    if owned:
+        cache.__dict__["_safepad_owned"] = True
+    return cache
+
+
+def _advance(cache: Any, n_tokens: int) -> None:
+    if isinstance(cache, _TracksSeqLength) and cache.__dict__.get("_safepad_seen_tokens") is not None:
+        cache.__dict__["_safepad_seen_tokens"] += int(n_tokens)
+
+
+# one model call at a time owns the count: a nested wrapped model (CausalLM -> Model) must not count again
+_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_cache_call", default=False)
+#: the same flag while dynamo traces (it cannot trace ContextVar): a plain stack of the calls in progress
+_CALL_TRACED: list[bool] = []
+_TRACED_TOKEN = "traced"
+
+
+def _in_call() -> bool:
+    return bool(_CALL_TRACED) if tracing() else _CALL.get()
+
+
+def _enter_call() -> contextvars.Token | str:
+    if tracing():
+        _CALL_TRACED.append(True)
+        return _TRACED_TOKEN
+    return _CALL.set(True)
+
+
+def _exit_call(token: contextvars.Token | str) -> None:
+    if token is _TRACED_TOKEN:
+        if _CALL_TRACED:
+            _CALL_TRACED.pop()
+    else:
+        _CALL.reset(token)
+
+
+class CachePreHook:
+    """Forward pre-hook of a wrapped model whose cache has no attention layer (see the module docstring).
+
+    * a recurrent-only cache passed in (under any of :data:`CACHE_NAMES`) is made to track its length;
+    * when the model would build its own cache (``use_cache`` resolves to True and no cache is passed), an
+      empty tracked cache is passed in under the name the forward declares instead;
+    * after the call (:class:`CachePostHook`), the cache's count grows by the call's sequence length.
+
+    Nested calls (a wrapped ``...Model`` inside a wrapped ``...ForCausalLM``) are left to the outer one.
+    """
+
+    def __init__(self, cache_arg: str | None, recurrent: bool):
+        self.cache_arg = cache_arg
+        self.recurrent = recurrent
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict):
+        stack = module._safepad_cache_calls  # a list made by wrap (no dict mutation while traced)
+        if not self.recurrent or _in_call():
+            stack.append(None)
+            return None
+        _, cache = cache_from_kwargs(kwargs)  # transformers and generate() pass caches by keyword
+        if cache is None and self.cache_arg is not None and self._builds_cache(module, kwargs):
+            cache = new_tracked_cache(_config_of(module))
+            kwargs = {**kwargs, self.cache_arg: cache}  # a new dict: no dict mutation inside a compiled forward
+        else:
+            track_seq_length(cache)
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        length = int(ids.shape[1]) if isinstance(ids, Tensor) and ids.dim() >= 2 else 0
+        stack.append((_enter_call(), cache, length))
+        return args, kwargs
+
+    @staticmethod
+    def _builds_cache(module: Any, kwargs: dict) -> bool:
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = bool(getattr(_config_of(module), "use_cache", False))
+        if not use_cache:
+            return False
+        # transformers turns the cache off under activation checkpointing in training (5.24 renamed the flag)
+        if not getattr(module, "training", False):
+            return True
+        names = ("is_activation_checkpointing", "is_gradient_checkpointing")
+        flag = next((n for n in names if hasattr(type(module), n)), None)
+        return not (flag is not None and getattr(module, flag))
+
+
+def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
+    """Forward hook paired with :class:`CachePreHook` (``always_call``: a raising call counts no tokens)."""
+    stack = getattr(module, "_safepad_cache_calls", None)
+    entry = stack.pop() if stack else None
+    if entry is None:
+        return None
+    token, cache, length = entry
+    _exit_call(token)
+    if output is None:
+        return None
+    if cache is None:  # built inside the forward (no declared cache argument): it has seen this call only
+        cache = output_cache(output)
+        if not isinstance(cache, _TracksSeqLength) and recurrent_only(cache):
+            cache.__class__ = _tracking_class(type(cache))
+            cache.__dict__["_safepad_seen_tokens"] = 0
+    _advance(cache, length)
+    return None
+
+
+class SafepadGenerate:
+    """``model.generate`` of a wrapped model whose cache has no attention layer.
+
+    transformers' ``generate`` asks the cache for its length before the first forward; a recurrent-only
+    cache raises there. This hands ``generate`` an empty length-tracking cache (under the name the model's
+    forward declares) unless the caller passed a cache, asked for no cache or for a ``cache_implementation``;
+    a cache the caller passed is made to track its length. Everything else is the class's own ``generate``.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        name = cache_argument(model.forward)
+        _, given = cache_from_kwargs(kwargs)
+        if given is not None:
+            track_seq_length(given)
+        elif name is not None and self._generate_builds_cache(model, kwargs):
+            kwargs[name] = new_tracked_cache(model.config, owned=True)
+        return type(model).generate(model, *args, **kwargs)
+
+    @staticmethod
+    def _generate_builds_cache(model: Any, kwargs: dict) -> bool:
+        gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        use_cache = kwargs.get("use_cache", getattr(gen_config, "use_cache", True))
+        implementation = kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None))
+        return bool(use_cache) and implementation is None and fresh_cache_is_recurrent_only(model.config)

@@ -5,9 +5,9 @@ top-level model. On every forward call into a model that has SSM / linear-attent
 wrapped by :func:`safepad.wrap`, it looks at the few inputs that describe the batch layout and detects:
 
 * ``right_padding_with_cache`` — a 2-D ``attention_mask`` ``[B, T_mask]`` whose row ends in padding while a
-  cache is built for later use or read (``use_cache=True``, ``past_key_values`` / ``cache_params`` passed
-  in, or the config default ``use_cache`` in eval mode). The cached conv / SSM state of that row is then
-  taken after the pads, so everything decoded from it is wrong. In training mode a cache that exists only
+  cache is built for later use or read (``use_cache=True``, a cache passed in as ``cache`` / ``cache_params`` /
+  ``past_key_values``, or the config default ``use_cache`` in eval mode). The cached conv / SSM state of that
+  row is then taken after the pads, so everything decoded from it is wrong. In training mode a cache that exists only
   because of the config default is thrown away by the Trainer: it is counted, not reported.
 * ``packed`` — several sequences in one row: ``seq_idx`` ``[B, T]`` with a boundary, ``cu_seq_lens_q/k``
   ``[S + 1]`` with ``S > 1``, or 2-D ``position_ids`` ``[B, T]`` that restart at 0 inside a row (with a
@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from .cache import CACHE_NAMES
 from .errors import PaddingError, PaddingWarning, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -339,7 +340,7 @@ class GuardHandle:
         use_cache = self._get("use_cache", args, kwargs)
         if use_cache:
             return "use_cache=True", True
-        for name in ("past_key_values", "cache_params"):
+        for name in CACHE_NAMES:
             if self._get(name, args, kwargs) is not None:
                 return f"{name} passed in", True
         if use_cache is not None:
@@ -357,9 +358,7 @@ class GuardHandle:
         info = self.info
         wrapped = self.is_wrapped()
         if info is None and not wrapped:
-            cache = self._get("past_key_values", args, kwargs)
-            if cache is None:
-                cache = self._get("cache_params", args, kwargs)
+            cache = next((c for c in (self._get(n, args, kwargs) for n in CACHE_NAMES) if c is not None), None)
             if cache is not None and _cache_has_recurrent_layers(cache):
                 info = SSMInfo(str(getattr(_config_of(module), "model_type", type(module).__name__)), (), 0)
         check = info is not None and not wrapped

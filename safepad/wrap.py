@@ -37,6 +37,14 @@ from torch import nn
 
 from . import specs as _specs  # noqa: F401 - registers the family specs
 from ._tracing import device_check, tracing
+from .cache import (
+    CACHE_NAMES,
+    CachePreHook,
+    SafepadGenerate,
+    cache_argument,
+    cache_post_hook,
+    fresh_cache_is_recurrent_only,
+)
 from .context import (
     CallContext,
     boundaries_from_kwargs,
@@ -224,6 +232,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             handle.remove()
         module.__dict__.pop("_safepad_tokens", None)
         module.__dict__.pop("_safepad_slot_calls", None)
+        module.__dict__.pop("_safepad_cache_calls", None)
+        if isinstance(module.__dict__.get("generate"), SafepadGenerate):
+            del module.__dict__["generate"]
     return model
 
 
@@ -263,6 +274,18 @@ def _install_model_hooks(model: nn.Module) -> None:
         pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
         post = target.register_forward_hook(_post_hook, always_call=True)
         target._safepad_hook_handles = [pre, post]
+        # a cache without attention layers cannot tell its length in transformers: safepad counts it
+        # (safepad.cache); registered after _ModelPreHook, so it sees the packed-call policy's use_cache
+        recurrent = fresh_cache_is_recurrent_only(getattr(target, "config", None))
+        if recurrent:
+            target._safepad_cache_calls = []
+            cache_pre = target.register_forward_pre_hook(
+                CachePreHook(cache_argument(target.forward), recurrent), with_kwargs=True
+            )
+            cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
+            target._safepad_hook_handles += [cache_pre, cache_post]
+            if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
+                target.generate = SafepadGenerate(target)
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
@@ -309,7 +332,7 @@ class _ModelPreHook:
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
-        given = kwargs.get("attention_mask")  # the caller's mask (a slot-justified call replaces it below)
+        given = _two_d_mask(kwargs.get("attention_mask"))  # the caller's (a slot-justified call replaces it below)
         if (
             isinstance(given, torch.Tensor) and given.dim() == 2 and T > 1
             and bool((given[:, -1] == 0).any()) and _inside_generate()
@@ -326,7 +349,7 @@ class _ModelPreHook:
             args, kwargs = _slot_justify(module, info, args, kwargs, B, T)
             record = module._safepad_slot_calls[-1]
             token_mask = record.call.token_mask if record is not None and record.call is not None else None
-        mask = kwargs.get("attention_mask") if token_mask is None else token_mask
+        mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
         position_ids = kwargs.get("position_ids")
         seq_idx, source = boundaries_from_kwargs(
@@ -431,9 +454,7 @@ class _ModelPreHook:
                        nested: bool) -> None:
         """Cache off (or raise if one was asked for), restarting position_ids and packed masks for hybrids."""
         info = self.info
-        explicit = kwargs.get("use_cache") is True or any(
-            kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
-        )
+        explicit = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
         if explicit and not nested:
             raise ValueError(
                 f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
@@ -563,6 +584,14 @@ def _boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], pos
     return seq_idx, source
 
 
+def _two_d_mask(mask):
+    """The 2-D ``[B, T]`` padding mask of a call's ``attention_mask``: generate() with a compileable cache (e.g. one
+    without attention layers) hands in per-layer-type masks, whose recurrent layers' entry is the 2-D one."""
+    if isinstance(mask, dict):
+        return next((m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 2), None)
+    return mask
+
+
 def _inside_generate() -> bool:
     """Is this model call made by transformers' ``generate()`` (a ``generate`` frame of ``transformers.generation``
     a few frames up the stack)?"""
@@ -618,7 +647,6 @@ def _post_hook(module: nn.Module, args, output):
 # slot-justified cached calls (families whose attention counts positions in cache slots: Inkling)
 # ----------------------------------------------------------------------------------------------------------
 
-_CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
@@ -656,7 +684,7 @@ def _slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: i
     params = info["params"]
     if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
         return args, kwargs  # packed rows: the packed policy applies (no cache)
-    cache = next((c for n in _CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
+    cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
     use_cache = _arg(args, kwargs, params, "use_cache")
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(_text_config_value(module, "use_cache", False)))
@@ -750,7 +778,7 @@ def _slot_restore(record: _SlotRecord, output):
         call.uninstall()
     if output is None:  # the forward raised
         return None
-    cache = next((c for n in _CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
+    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
     if record.padded and cache is not None:
         setattr(cache, _PADDED_FLAG, True)
     if call is None or call.order is None:
@@ -785,8 +813,9 @@ def _packed_mask_mapping(module: nn.Module, seq_idx: torch.Tensor, keys: tuple[s
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     shape_only = torch.empty(B, T, 0, dtype=dtype, device=seq_idx.device)  # create_causal_mask reads shape/dtype
     positions = position_ids_from_seq_idx(seq_idx)
+    cache_kw = cache_argument(create_causal_mask) or "past_key_values"  # 5.23: past_key_values, 5.24: cache
     full = create_causal_mask(
-        config=config, inputs_embeds=shape_only, attention_mask=None, past_key_values=None, position_ids=positions
+        config=config, inputs_embeds=shape_only, attention_mask=None, position_ids=positions, **{cache_kw: None}
     )
     mapping: dict = {k: full for k in keys}
     mapping.setdefault("linear_attention", None)

@@ -173,17 +173,18 @@ def test_compiled_cached_inference_equals_sequences_alone(kind: str):
 
 def _cached_calls(model, family: str) -> tuple[dict, dict]:
     """A right-padded prefill with a cache and the one-token step after it (kwargs of each call)."""
-    from safepad.testing.tiny import CACHE_PARAMS_FAMILIES
+    import inspect
+
+    from safepad.cache import cache_argument, output_cache
 
     ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-    cache_kw = "cache_params" if family in CACHE_PARAMS_FAMILIES else "past_key_values"
-    step = {"input_ids": ids[:, :1], "use_cache": True, cache_kw: getattr(out, cache_kw)}
+    step = {"input_ids": ids[:, :1], "use_cache": True, cache_argument(model): output_cache(out)}
     step["attention_mask"] = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-    if family in CACHE_PARAMS_FAMILIES:
+    if "cache_position" in inspect.signature(type(model).forward).parameters:
         step["cache_position"] = torch.tensor([9])
     return {"input_ids": ids, "attention_mask": mask, "use_cache": True}, step
 

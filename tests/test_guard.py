@@ -383,7 +383,10 @@ def _right_padded_decode(model, ids, mask):
     last = mask.sum(1) - 1  # [B]
     nxt = out.logits[torch.arange(ids.shape[0]), last].argmax(-1)[:, None]  # [B, 1]
     mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)  # [B, T + 1]
-    step = model(input_ids=nxt, attention_mask=mask2, past_key_values=out.past_key_values, use_cache=True)
+    from safepad.cache import cache_argument, output_cache
+
+    cache_kw = {cache_argument(model): output_cache(out)}  # `cache` on 5.24, `past_key_values` on 5.23
+    step = model(input_ids=nxt, attention_mask=mask2, use_cache=True, **cache_kw)
     return step.logits[:, -1]  # [B, V]
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
-from ..testing.tiny import EXTRA_FAMILIES, FAMILIES, NEW_FAMILIES, family_available, tiny_model
+from ..testing.tiny import family_available, family_names, tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument(
         "--family",
         default=None,
-        help=f"built-in tiny model: {', '.join(FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES)} (default nemotron_h)",
+        help=f"built-in tiny model: {', '.join(family_names())} (default nemotron_h)",
     )
     src.add_argument(
         "--model",
@@ -89,7 +89,7 @@ def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
         model, label = _load_checkpoint(args.model, dtype, parser)
         return model.to(device).eval(), label
     family = args.family or "nemotron_h"
-    known = FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES
+    known = family_names()  # every safepad.supported_model_types() entry is one
     if family not in known:
         parser.error(f"--family: unknown family {family!r}; choose from {', '.join(known)}")
     available, why = family_available(family)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..cache import CACHE_NAMES
 from ..context import boundaries_from_kwargs, position_ids_from_seq_idx
 from ..wrap import is_wrapped, wrapped_modules
 from . import attention as _attention
@@ -217,7 +218,7 @@ class SequenceParallel:
                 "sequence parallelism does not take padding masks: pack the sequences (safepad.pack_dataset / "
                 "DataCollatorForPackedSSM) and describe padding as its own segment, with labels -100"
             )
-        if kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in ("past_key_values", "cache_params")):
+        if kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES):
             raise ValueError("sequence parallelism is for training calls: call with use_cache=False and no cache")
         if self._accepts("use_cache"):
             kwargs["use_cache"] = False

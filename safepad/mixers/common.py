@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.nn.modules import module as mod
 
 from .._tracing import tracing
+from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, context_token_mask, current_context, resolve_seq_idx
 from ..distributed.context import SPContext, resolve_sp
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
@@ -32,9 +33,8 @@ __all__ = [
 ]
 
 
-#: the names transformers has used for the cache argument of a mixer (5.23: cache_params / past_key_values;
-#: later releases: cache)
-CACHE_KWARGS = ("cache_params", "past_key_values", "cache")
+#: the names transformers has used for the cache argument of a mixer (one list for the package: safepad.cache)
+CACHE_KWARGS = CACHE_NAMES
 
 
 def pop_cache(cache, kwargs: dict):

@@ -28,8 +28,11 @@ recurrent/SSM state of every row vs the row's own run). A model that raises is a
 exception is recorded in :attr:`ScenarioResult.error`.
 
 Mask conventions follow ``generate()``: the 2-D ``attention_mask`` always spans past + current tokens, and
-position ids are ``cumsum(mask) - 1`` with pads set to 1. The families whose forward takes ``cache_params=``
-(mamba, mamba2, falcon_mamba) get no mask on single-token decode steps, as ``generate()`` does for them.
+position ids are ``cumsum(mask) - 1`` with pads set to 1. Models whose forward declares no ``position_ids``
+(the attention-free mamba, mamba2, falcon_mamba) get no mask on single-token decode steps, as ``generate()``
+does for them. The cache goes in under the name the model's forward declares and comes back from the field
+its output class declares (``cache`` in transformers 5.24, ``cache_params`` / ``past_key_values`` in 5.23;
+:mod:`safepad.cache`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from ..cache import CACHE_NAMES, cache_argument, fresh_cache_is_recurrent_only, new_tracked_cache, output_cache
 
 logger = logging.getLogger(__name__)
 
@@ -235,14 +240,15 @@ class AuditReport:
 
 
 class _ModelIO:
-    """Uniform forward over every family: ``cache_params=`` vs ``past_key_values=``, optional position ids."""
+    """Uniform forward over every family: the cache under the name the forward declares, optional positions."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         params = inspect.signature(model.forward).parameters
-        self.cache_kw = "cache_params" if "cache_params" in params else "past_key_values"
         has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        self.takes_positions = "position_ids" in params or has_var_kw
+        self.cache_kw = cache_argument(model.forward)  # None: the forward declares none of CACHE_NAMES
+        self.declares_positions = "position_ids" in params
+        self.takes_positions = self.declares_positions or has_var_kw
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -265,15 +271,27 @@ class _ModelIO:
         if position_ids is not None and self.takes_positions:
             kwargs["position_ids"] = position_ids.to(self.device)
         if cache is not None:
+            if self.cache_kw is None:
+                raise ValueError(
+                    f"{type(self.model).__name__}.forward declares no cache argument (none of "
+                    f"{', '.join(CACHE_NAMES)}), so a cache cannot be fed back; if transformers renamed it, add the "
+                    "new name to safepad.cache.CACHE_NAMES"
+                )
             kwargs[self.cache_kw] = cache
         kwargs.update({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in extra.items()})
         out = self.model(**kwargs)
-        new_cache = getattr(out, self.cache_kw, None) if use_cache else None
+        new_cache = output_cache(out) if use_cache else None
         return out.logits.float(), new_cache
 
     def decode_mask(self, full_mask: Tensor) -> Tensor | None:
-        """Mask for a single-token step: ``generate()`` drops it for the ``cache_params=`` families."""
-        return None if self.cache_kw == "cache_params" else full_mask
+        """Mask for a single-token step: ``generate()`` drops it for models without ``position_ids`` (no attention)."""
+        return full_mask if self.declares_positions else None
+
+    def fresh_cache(self) -> Any:
+        """None (the model builds its own cache), or, for a cache without attention layers, which stock
+        transformers cannot ask for its length, an empty one that counts its tokens (:mod:`safepad.cache`)."""
+        config = getattr(self.model, "config", None)
+        return new_tracked_cache(config) if fresh_cache_is_recurrent_only(config) else None
 
 
 def cache_states(cache: Any) -> dict[str, Tensor]:
@@ -378,8 +396,13 @@ def _alone_full(ref: _ModelIO, ids: Tensor) -> Tensor:
 
 
 def _alone_states(ref: _ModelIO, ids: Tensor) -> dict[str, Tensor]:
-    """Cached states after a cached prefill of ``[L]`` ids alone (the stock prefill path is the reference)."""
-    _, cache = ref(ids[None], position_ids=torch.arange(ids.numel())[None], use_cache=True)
+    """Cached states after a cached prefill of ``[L]`` ids alone (the stock prefill path is the reference).
+
+    A model whose cache has no attention layer gets a cache that can tell its length (the stock model raises
+    ``get_seq_length can only be called on Attention layers`` otherwise); its states are the stock model's own.
+    """
+    pos = torch.arange(ids.numel())[None]
+    _, cache = ref(ids[None], position_ids=pos, cache=ref.fresh_cache(), use_cache=True)
     return cache_states(cache)
 
 

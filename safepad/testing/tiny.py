@@ -29,9 +29,11 @@ __all__ = [
     "GDN_FAMILIES",
     "MAMBA1_FAMILIES",
     "MAMBA2_FAMILIES",
+    "MODEL_TYPE_FAMILIES",
     "NEW_FAMILIES",
     "UNSUPPORTED_TINY_FAMILIES",
     "family_available",
+    "family_names",
     "find_mixers",
     "strengthen_mixers",
     "tiny_config",
@@ -471,25 +473,40 @@ def family_available(family: str) -> tuple[bool, str]:
     return False, f"{family} needs transformers >= {need} (installed: {transformers.__version__})"
 
 
-def _check_family(family: str) -> None:
+#: transformers model types (``safepad.supported_model_types()``) whose tiny model is their text model: the
+#: Qwen3.5 checkpoints are VLMs around a ``qwen3_5_text`` / ``qwen3_5_moe_text`` language model. Either name
+#: builds the same tiny model, so every supported model type is a valid ``safepad audit --family``.
+MODEL_TYPE_FAMILIES: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def family_names() -> tuple[str, ...]:
+    """Every supported name :func:`tiny_model` accepts: the family tuples and the model-type aliases."""
+    return FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES + tuple(k for k in MODEL_TYPE_FAMILIES if k not in _TINY)
+
+
+def _check_family(family: str) -> str:
+    """The tiny family ``family`` names (an alias of :data:`MODEL_TYPE_FAMILIES` resolved); raises if unknown."""
+    family = MODEL_TYPE_FAMILIES.get(family, family)
     if family not in _TINY:
-        known = ", ".join(FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES + UNSUPPORTED_TINY_FAMILIES)
+        known = ", ".join(family_names() + UNSUPPORTED_TINY_FAMILIES)
         raise ValueError(f"family: unknown family {family!r}; choose one of {known}")
     ok, why = family_available(family)
     if not ok:
         raise ValueError(f"family: {why}")
+    return family
 
 
 def tiny_config(family: str, **overrides: Any):
     """Return the transformers config of the tiny ``family`` model; ``overrides`` replace any field.
 
     Args:
-        family: one of :data:`FAMILIES` or :data:`EXTRA_FAMILIES` (the transformers ``model_type``).
+        family: one of :data:`FAMILIES` or :data:`EXTRA_FAMILIES` (the transformers ``model_type``), or a
+            model type of :data:`MODEL_TYPE_FAMILIES`.
         **overrides: config fields to set, e.g. ``chunk_size=8`` or ``use_cache=False``.
     """
     from transformers import AutoConfig
 
-    _check_family(family)
+    family = _check_family(family)
     kwargs = {**_COMMON, **copy.deepcopy(_TINY[family]), **overrides}
     return AutoConfig.for_model(family, **kwargs)
 
@@ -551,6 +568,7 @@ def tiny_model(
     """
     import transformers
 
+    family = MODEL_TYPE_FAMILIES.get(family, family)
     config = tiny_config(family, **config_overrides)
     auto = getattr(transformers, _AUTO_CLASS.get(family, "AutoModelForCausalLM"))
     devnull = logging.getLogger("transformers")

@@ -110,3 +110,21 @@ def test_python_dash_m_entry_point(monkeypatch, capsys):
         runpy.run_module("safepad", run_name="__main__")
     assert exc.value.code == 2
     assert "unknown family" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type", __import__("safepad").supported_model_types())
+def test_every_supported_model_type_is_a_family_that_passes(model_type, capsys):
+    """`safepad audit --family T` accepts every safepad.supported_model_types() entry (qwen3_5 and
+    qwen3_5_moe build their text model) and the wrapped model passes; chunked prefill feeds the cache back
+    under the name the model's forward declares (transformers 5.24 renamed it to `cache`)."""
+    from safepad.testing.tiny import family_available
+    from safepad.wrap import wrap
+
+    available, why = family_available(model_type)
+    if not available:  # a family newer than the installed transformers: a usage error that says so
+        code, _, err = _run(["--family", model_type], capsys, wrap)
+        assert code == 2 and why in err
+        return
+    code, out, err = _run(["--family", model_type, "--scenarios", "chunked_prefill,left_pad_decode"], capsys, wrap)
+    assert code == 0, out + err
+    assert f"tiny {model_type}" in out and "PASS" in out

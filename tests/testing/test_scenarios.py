@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from safepad.cache import output_cache
 from safepad.testing import (
     SCENARIOS,
     ScenarioResult,
@@ -157,7 +158,7 @@ def test_cache_states_cover_every_layer_kind(models):
         model, _ = models(family)
         with torch.no_grad():
             out = model(torch.randint(3, 256, (2, 9)), use_cache=True)
-        states = cache_states(out.past_key_values)
+        states = cache_states(output_cache(out))
         assert expected <= set(states), (family, sorted(states))
         assert all(t.shape[0] == 2 for t in states.values())
 
@@ -265,3 +266,32 @@ def test_half_precision_audit_uses_an_fp32_reference_and_coarse_tolerance():
     assert right.passed is False and right.max_abs_logits > 1.0  # the padding bug is far above bf16 noise
     assert left.passed and gen.passed and not gen.mismatches_fail
     assert next(model.parameters()).dtype == torch.bfloat16  # the audited model is left as it was
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "mamba2", "falcon_mamba", "lfm2"])
+def test_decode_steps_get_the_mask_generate_gives(models, family):
+    """The engine gives one-token steps a mask exactly when generate() does (it drops it for the attention-free
+    mamba / mamba2 / falcon_mamba, keeps it elsewhere), on whichever transformers version runs."""
+    from safepad.testing.scenarios import _ModelIO
+
+    model, _ = models(family)
+    seen = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] == 1:
+            seen.append(kwargs.get("attention_mask") is not None)
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        ids = torch.randint(3, 200, (2, 5))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0  # left-padded: an all-ones mask may be dropped for every model
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+    finally:
+        handle.remove()
+    assert seen and len(set(seen)) == 1
+    engine_gives = _ModelIO(model).decode_mask(torch.ones(2, 6, dtype=torch.long)) is not None
+    assert engine_gives == seen[0], (family, seen)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from safepad.cache import cache_argument, output_cache
 from safepad.testing.scenarios import packed_loss_grad_errors, run_scenario
 from safepad.testing.tiny import tiny_model
 from safepad.wrap import unwrap, wrap, wrapped_modules
@@ -177,8 +178,9 @@ def _chunked_run(model: nn.Module, seqs: list[torch.Tensor], splits: list[list[i
             mask[r, sl] = 1
         full_mask = torch.cat([full_mask, mask], dim=1)
         pos = (full_mask.cumsum(1) - 1).clamp(min=0)[:, -width:]
-        out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        kw = {} if cache is None else {cache_argument(model): cache}
+        out = model(input_ids=ids, attention_mask=full_mask, position_ids=pos, use_cache=True, **kw)
+        cache = output_cache(out)
         for r, n in enumerate(chunk):
             sl = slice(width - n, width) if left else slice(0, n)
             outs[r].append(out.logits[r, sl].float())
@@ -220,7 +222,7 @@ def test_masked_decode_token_leaves_states_untouched(models):
     the model itself drops the mask on single-token steps)."""
     family, _, _, wrapped = models
     out = wrapped(input_ids=torch.stack([_ids(9, 30), _ids(9, 31)]), use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     mixer = wrapped_modules(wrapped)[0][1]
     layer = cache.layers[mixer.layer_idx]
 
@@ -229,8 +231,7 @@ def test_masked_decode_token_leaves_states_untouched(models):
 
     before = states()
     hidden = torch.randn(2, 1, wrapped.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    cache_kw = "past_key_values" if family == "lfm2" else "cache_params"
-    y = mixer(hidden, attention_mask=torch.tensor([[1], [0]]), **{cache_kw: cache})
+    y = mixer(hidden, attention_mask=torch.tensor([[1], [0]]), **{cache_argument(mixer): cache})
     assert y.shape == hidden.shape and torch.isfinite(y).all()
     after = states()
     assert len(after) == len(before) >= 1
@@ -332,13 +333,13 @@ def test_packed_with_explicit_cache_raises(models, how):
     ids, pos, seq_idx, _ = _packed_row()
     kw = {"position_ids": pos} if how.startswith("position_ids") else {"seq_idx": seq_idx, "position_ids": pos}
     if how.endswith("past_key_values"):
-        kw.update(past_key_values=DynamicCache(config=wrapped.config), use_cache=True)
+        kw.update({cache_argument(wrapped): DynamicCache(config=wrapped.config)}, use_cache=True)
     else:
         kw["use_cache"] = True
     with pytest.raises(ValueError, match="cache"):
         wrapped(input_ids=ids, **kw)
     if how == "position_ids+use_cache":  # stock silently caches a state mixing three sequences
-        assert stock(input_ids=ids, **kw).past_key_values is not None
+        assert output_cache(stock(input_ids=ids, **kw)) is not None
 
 
 @torch.no_grad()
@@ -360,7 +361,7 @@ def test_packed_without_cache_request_skips_config_cache(models):
     _, _, _, wrapped = models
     ids, pos, _, _ = _packed_row()
     out = wrapped(input_ids=ids, position_ids=pos)  # config.use_cache is True: no cache may be built
-    assert out.past_key_values is None
+    assert output_cache(out) is None
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import safepad
+from safepad.cache import cache_argument, output_cache
 from safepad.testing.tiny import tiny_model
 from safepad.wrap import wrapped_modules
 
@@ -53,7 +54,7 @@ def _models(family: str):
 
 
 def _cache_kw(model) -> str:
-    return "cache_params" if "cache_params" in inspect.signature(model.forward).parameters else "past_key_values"
+    return cache_argument(model)  # cache_params / past_key_values on transformers 5.23, cache on 5.24
 
 
 def _takes_positions(model) -> bool:
@@ -71,7 +72,7 @@ def _run(model, ids, *, mask=None, positions=None, cache=None, use_cache=False, 
         args[_cache_kw(model)] = cache
     with torch.no_grad():
         out = model(**args)
-    return out.logits.float(), (getattr(out, _cache_kw(model)) if use_cache else None)
+    return out.logits.float(), (output_cache(out) if use_cache else None)
 
 
 def _states(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

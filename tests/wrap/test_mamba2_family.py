@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import safepad
+from safepad.cache import cache_argument, output_cache
 from safepad.testing.scenarios import SCENARIOS, packed_loss_grad_errors, run_scenario
 from safepad.testing.tiny import MAMBA2_FAMILIES, tiny_model
 
@@ -82,7 +83,7 @@ def test_packed_training_with_config_default_use_cache_builds_no_cache():
     assert wrapped.config.use_cache  # the default that a Trainer step leaves in place
     _, ids, seq_idx, _, pos = packed_batch([6, 9])
     out = wrapped(input_ids=ids, seq_idx=seq_idx, position_ids=pos)
-    assert out.past_key_values is None
+    assert output_cache(out) is None
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ def test_mask_holes_with_cache_are_compacted():
     nxt = torch.tensor([[5], [6]])
     with torch.no_grad():
         out = wrapped(input_ids=ids, attention_mask=mask, use_cache=True)
-        step = wrapped(input_ids=nxt, cache_params=out.cache_params, use_cache=True,
+        step = wrapped(input_ids=nxt, **{cache_argument(wrapped): output_cache(out)}, use_cache=True,
                        attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)).logits[:, -1]
         full_a = ref(input_ids=torch.cat([a, nxt[0]])[None]).logits[0]
         full_b = ref(input_ids=torch.cat([b, nxt[1]])[None]).logits[0]
@@ -133,7 +134,8 @@ def test_mask_holes_with_cache_are_compacted():
         assert (step[0] - full_a[-1]).abs().max() < 1e-4
         assert (step[1] - full_b[-1]).abs().max() < 1e-4
         stock_out = stock(input_ids=ids, attention_mask=mask, use_cache=True)
-        stock_step = stock(input_ids=nxt, cache_params=stock_out.cache_params, use_cache=True).logits[:, -1]
+        stock_kw = {cache_argument(stock): output_cache(stock_out)}
+        stock_step = stock(input_ids=nxt, **stock_kw, use_cache=True).logits[:, -1]
         assert (stock_step[0] - full_a[-1]).abs().max() > 1e-3
 
 
@@ -163,14 +165,14 @@ def test_masked_decode_token_leaves_row_states_untouched(family):
     from safepad.testing.scenarios import cache_states
 
     stock, wrapped, _ = _models(family)
-    ck = "cache_params" if family == "mamba2" else "past_key_values"
+    ck = cache_argument(stock)
     ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(5))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, -1] = 0  # row 1's decode token is padding
     for model, expect_ok in ((wrapped, True), (stock, False)):
         with torch.no_grad():
             out = model(input_ids=ids, use_cache=True)
-            cache = getattr(out, ck)
+            cache = output_cache(out)
             before = {k: v.clone() for k, v in cache_states(cache).items()}
             model(input_ids=torch.tensor([[7], [0]]), attention_mask=mask, use_cache=True, **{ck: cache})
             after = cache_states(cache)

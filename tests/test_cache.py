@@ -1,0 +1,142 @@
+"""safepad.cache: cache names read from what transformers declares, and the length of attention-free caches."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import re
+
+import pytest
+import torch
+
+import safepad
+from safepad.cache import (
+    CACHE_NAMES,
+    cache_argument,
+    fresh_cache_is_recurrent_only,
+    new_tracked_cache,
+    output_cache,
+    recurrent_only,
+    track_seq_length,
+)
+from safepad.testing.tiny import family_available, tiny_model
+
+#: parameter / field names that match "cache" or "past" but are not a cache object (inkling2's ``cache_offset``
+#: is an int added to the layer index of a looped block)
+NOT_A_CACHE = {"use_cache", "cache_offset"}
+_CACHE_LIKE = re.compile(r"cache|past")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("model_type", safepad.supported_model_types())
+@torch.no_grad()
+def test_every_cache_name_transformers_uses_is_known(model_type):
+    """Fails when transformers names a cache argument or output field in a way safepad does not know.
+
+    Every forward of every module of the stock model (top model, base model, decoder layers, mixers) and
+    every field of its output class is scanned for cache-like names; each one must be in CACHE_NAMES
+    (transformers 5.23: cache_params / past_key_values, 5.24: cache). A rename (say ``state_cache``) shows
+    up here, with the module that declares it, before a scenario silently runs without its cache.
+    """
+    available, why = family_available(model_type)
+    if not available:
+        pytest.skip(why)  # a family newer than the installed transformers
+    model = tiny_model(model_type)
+    unknown = set()
+    for name, module in model.named_modules():
+        try:
+            params = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            if _CACHE_LIKE.search(p) and p not in NOT_A_CACHE and p not in CACHE_NAMES:
+                unknown.add(f"{type(module).__name__}.forward({p}=)")
+    out = model(input_ids=torch.randint(3, 200, (1, 5)), use_cache=True)
+    for f in dataclasses.fields(out):
+        if _CACHE_LIKE.search(f.name) and f.name not in CACHE_NAMES:
+            unknown.add(f"{type(out).__name__}.{f.name}")
+    assert not unknown, f"cache names unknown to safepad.cache.CACHE_NAMES: {sorted(unknown)}"
+    # and the helpers find the model's own: the name its forward takes, the cache its output returns
+    assert cache_argument(model) in CACHE_NAMES
+    from transformers import Cache
+
+    assert isinstance(output_cache(out), Cache)
+
+
+def test_cache_argument_reads_declarations_not_families():
+    def f(x, cache=None): ...
+    def g(x, cache_params=None, **kw): ...
+    def h(x, past_key_values=None): ...
+    def k(x, **kwargs): ...
+
+    assert [cache_argument(fn) for fn in (f, g, h, k)] == ["cache", "cache_params", "past_key_values", None]
+    wrapped = safepad.wrap(tiny_model("mamba2"))
+    mixer = wrapped.backbone.layers[0].mixer
+    # a patched mixer's own forward takes any name: it answers for its original class
+    assert cache_argument(mixer) == cache_argument(type(mixer)._safepad_original_class.forward) in CACHE_NAMES
+
+
+def test_output_cache_reads_the_declared_field():
+    @dataclasses.dataclass
+    class Out:
+        logits: object = None
+        cache_params: object = None
+
+    sentinel = object()
+    assert output_cache(Out(cache_params=sentinel)) is sentinel
+    assert output_cache({"past_key_values": sentinel}) is sentinel
+    assert output_cache(None) is None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# caches without attention layers: transformers cannot tell their length, safepad counts it
+# ------------------------------------------------------------------------------------------------------------
+
+PURE = ["mamba", "mlp", "mamba"]  # a Nemotron-H without attention layer
+
+
+def test_recurrent_only_is_decided_by_the_cache_layers():
+    assert fresh_cache_is_recurrent_only(tiny_model("nemotron_h", layers_block_type=PURE).config)
+    assert not fresh_cache_is_recurrent_only(tiny_model("nemotron_h").config)  # has an attention layer
+    assert fresh_cache_is_recurrent_only(tiny_model("mamba2").config)
+
+
+def test_tracked_cache_counts_and_a_prefilled_one_says_why_it_cannot():
+    from transformers import DynamicCache
+
+    config = tiny_model("nemotron_h", layers_block_type=PURE).config
+    with pytest.raises(ValueError, match="only contain"):  # what stock transformers says
+        DynamicCache(config=config).get_seq_length()
+    cache = new_tracked_cache(config)
+    assert recurrent_only(cache) and cache.get_seq_length() == 0 and cache.get_mask_sizes(3, 0) == (3, 0)
+    copy.deepcopy(cache).get_seq_length()  # the swapped class survives a copy
+    filled = DynamicCache(config=config)
+    filled.update_conv_state(torch.zeros(1, 192, 4), 0, conv_kernel_size=4)  # marks has_previous_state
+    with pytest.raises(ValueError, match="written before safepad saw it"):
+        track_seq_length(filled).get_seq_length()
+    hybrid = DynamicCache(config=tiny_model("nemotron_h").config)
+    assert track_seq_length(hybrid).__class__ is DynamicCache  # attention caches are left alone
+
+
+def test_a_tracked_cache_unpickles_in_a_fresh_process(tmp_path):
+    """The generated class is rebuilt on import (a pickled model output or cache in another process)."""
+    import pickle
+    import subprocess
+    import sys
+
+    config = tiny_model("nemotron_h", layers_block_type=PURE).config
+    cache = new_tracked_cache(config)
+    cache.__dict__["_safepad_seen_tokens"] = 7
+    path = tmp_path / "cache.pkl"
+    path.write_bytes(pickle.dumps(cache))
+    code = f"import pickle; c = pickle.loads(open({str(path)!r}, 'rb').read()); print(type(c).__name__, c.get_seq_length())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["SafepadLengthDynamicCache", "7"]
