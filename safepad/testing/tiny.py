@@ -475,8 +475,13 @@ def family_available(family: str) -> tuple[bool, str]:
 
 #: transformers model types (``safepad.supported_model_types()``) whose tiny model is their text model: the
 #: Qwen3.5 checkpoints are VLMs around a ``qwen3_5_text`` / ``qwen3_5_moe_text`` language model. Either name
-#: builds the same tiny model, so every supported model type is a valid ``safepad audit --family``.
-MODEL_TYPE_FAMILIES: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+#: builds the same tiny model, so every supported model type is a valid ``safepad audit --family``. The reverse
+#: for GLM-5 Next: ``glm5_next_text`` has no generative head in transformers; the tiny ``glm5_next`` VLM holds it.
+MODEL_TYPE_FAMILIES: dict[str, str] = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "glm5_next_text": "glm5_next",
+}
 
 
 def family_names() -> tuple[str, ...]:
