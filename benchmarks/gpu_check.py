@@ -48,6 +48,8 @@ from safepad.ops import (  # noqa: E402
     ssd_scan,
     ssd_step,
 )
+from safepad.testing.inputs import random_seq_idx  # noqa: E402
+from safepad.testing.inputs import ssd_inputs as _ssd_inputs  # noqa: E402
 
 #: shape scale: 1 on a GPU; the emulation divides sequence lengths and widths (the interpreter is slow)
 SMALL = False
@@ -98,36 +100,13 @@ def timed(fn: Callable[[], object], reps: int = 5) -> tuple[object, float]:
 
 def varlen_seq_idx(Bsz: int, T: int, seed: int, device: str, max_seqs: int = 6) -> torch.Tensor:
     """Random packed layout: ``[B, T]`` int32 with 1..max_seqs sequences per row."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(Bsz):
-        n_cuts = int(torch.randint(0, max_seqs, (1,), generator=g))
-        cuts = (torch.randperm(T - 1, generator=g)[:n_cuts] + 1).tolist()
-        row = torch.zeros(T, dtype=torch.int32)
-        for c in cuts:
-            row[c:] += 1
-        rows.append(row)
-    return torch.stack(rows).to(device)
+    return random_seq_idx(Bsz, T, seed, device, max_seqs=max_seqs)
 
 
 def ssd_inputs(Bsz: int, T: int, device: str, dtype: torch.dtype, H=16, P=64, G=2, N=64, seed=0) -> dict:
     if SMALL:
         H, P, G, N = 2, 8, 1, 8
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def r(*s, scale=1.0):
-        return (torch.randn(*s, generator=g, device=device) * scale).to(dtype)
-
-    return {
-        "x": r(Bsz, T, H, P),
-        "dt": r(Bsz, T, H, scale=0.5) - 2.0,
-        "A": -torch.rand(H, generator=g, device=device) * 4 - 0.5,
-        "B": r(Bsz, T, G, N, scale=0.3),
-        "C": r(Bsz, T, G, N, scale=0.3),
-        "D": torch.randn(H, generator=g, device=device),
-        "dt_bias": torch.randn(H, generator=g, device=device) * 0.3,
-        "initial_state": torch.randn(Bsz, H, P, N, generator=g, device=device) * 0.1,
-    }
+    return _ssd_inputs(Bsz, T, device, dtype, heads=H, head_dim=P, groups=G, state=N, seed=seed)
 
 
 def check_conv(device: str) -> list[Row]:

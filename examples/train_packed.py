@@ -320,4 +320,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # tear the process group down before the interpreter does: a gloo group left to interpreter shutdown
+        # can abort a rank ("terminate called without an active exception") after training has finished
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

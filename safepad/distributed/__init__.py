@@ -8,6 +8,8 @@
     loss = model(**batch).loss                 # the whole batch's loss; logits are this rank's shard
     loss.backward(); sp.sync_gradients()       # every rank now holds the unsharded gradient
 
+    spd.prepare_trainer(trainer, sp_size=2)    # or: under transformers.Trainer, before trainer.train()
+
 Each rank holds a contiguous shard of every (packed) row. Conv layers get the ``K - 1``-token halo from
 the previous rank; recurrent layers get their incoming state from the ranks before them (an affine scan
 over ranks of each shard's final state and transition, :mod:`safepad.distributed.ops`); attention layers
@@ -27,6 +29,7 @@ __all__ = [
     "SequenceParallel",
     "UnsupportedSequenceParallelError",
     "current_sp",
+    "prepare_trainer",
     "sequence_parallel",
 ]
 
@@ -37,6 +40,7 @@ _LAZY = {
     "sequence_parallel": "model",
     "SPContext": "context",
     "current_sp": "context",
+    "prepare_trainer": "trainer",
 }
 
 

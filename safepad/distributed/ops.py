@@ -32,30 +32,52 @@ Shapes: ``B`` rows, ``T`` shard tokens, ``W`` ranks.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from ..ops.conv import causal_conv1d
-from ..ops.delta_rule import chunk_gated_delta_rule
-from ..ops.dt import process_dt, validate_dt_limit
-from ..ops.selective_scan import _gate, selective_scan
-from ..ops.ssd import ssd_scan
+from ..ops.conv import causal_conv1d, check_causal_conv1d_args
+from ..ops.delta_rule import check_delta_rule_args, chunk_gated_delta_rule
+from ..ops.dt import process_dt
+from ..ops.selective_scan import _gate, check_selective_scan_args, selective_scan
+from ..ops.ssd import check_ssd_scan_args, ssd_scan
 from .collectives import all_gather_stack
 from .context import SPContext
 
 __all__ = ["sp_causal_conv1d", "sp_chunk_gated_delta_rule", "sp_op", "sp_selective_scan", "sp_ssd_scan"]
 
 
-def _refuse(op: str, **given) -> None:
-    """Raise for arguments a sharded call cannot honour (caches and padding masks are refused earlier)."""
-    bad = [k for k, v in given.items() if v is not None and v is not False]
+#: arguments of the single-device ops that a sharded call cannot honour (caches and padding masks are refused
+#: earlier, by the entry point)
+_REFUSED = ("initial_state", "token_mask", "return_final_state", "return_varlen_states")
+
+
+def _arguments(op: Callable, check: Callable, args: tuple, kwargs: dict) -> tuple[dict[str, Any], Any]:
+    """Bind a call to the single-device ``op``'s own signature (defaults applied), validate it with the op's
+    own ``check`` helper, and refuse what a sharded call cannot honour.
+
+    Returns (the arguments by name, ``check``'s result: sizes and normalised arguments). The sequence-parallel
+    ops therefore take exactly the arguments of the op they stand for, and raise the same errors for them.
+    """
+    try:
+        bound = _signature(op).bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{op.__name__} (sequence parallel): {err}") from None
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    bad = [k for k in _REFUSED if a.get(k) is not None and a.get(k) is not False]
     if bad:
         raise ValueError(
-            f"{op} under sequence parallelism does not take {', '.join(bad)}: a sharded training call starts every "
-            "row from a zero state on rank 0 and returns no cache; call without a cache and without padding"
+            f"{op.__name__} under sequence parallelism does not take {', '.join(bad)}: a sharded training call "
+            "starts every row from a zero state on rank 0 and returns no cache; call without a cache and without "
+            "padding"
         )
+    return a, check(**{n: a[n] for n in _signature(check).parameters})
+
+
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)
 
 
 class _Attach(torch.autograd.Function):
@@ -115,32 +137,20 @@ def _incoming(sp: SPContext, F_all: Tensor, a_all: Tensor, apply: Callable[[Tens
 # ---------------------------------------------------------------------------------------------- conv halo
 
 
-def sp_causal_conv1d(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    *,
-    sp: SPContext,
-    activation: str | None = None,
-    seq_idx: Tensor | None = None,
-    initial_state: Tensor | None = None,
-    token_mask: Tensor | None = None,
-    return_final_state: bool = False,
-    state_len: int | None = None,
-    return_varlen_states: bool = False,
-    backend: str = "auto",
-) -> Tensor:
-    """:func:`safepad.ops.conv.causal_conv1d` on a shard: ``x`` ``[B, T, D]``, ``weight`` ``[D, K]`` -> ``[B, T, D]``.
+def sp_causal_conv1d(*args: Any, sp: SPContext, **kwargs: Any) -> Tensor:
+    """:func:`safepad.ops.conv.causal_conv1d` on a shard (its arguments): ``x`` ``[B, T, D]``, ``weight`` ``[D, K]``
+    -> ``[B, T, D]``.
 
     The previous rank's last ``K - 1`` inputs (of the sequence that crosses into this shard) feed the
     window of this shard's first tokens.
     """
-    _refuse("causal_conv1d", initial_state=initial_state, token_mask=token_mask,
-            return_final_state=return_final_state, return_varlen_states=return_varlen_states)
-    K = weight.shape[-1]
+    kw, c = _arguments(causal_conv1d, check_causal_conv1d_args, args, kwargs)
+    x, weight, bias, activation, seq_idx, backend = (
+        kw[n] for n in ("x", "weight", "bias", "activation", "seq_idx", "backend")
+    )
+    B, T, K = c.Bsz, c.T, c.K
     if K <= 1:
         return causal_conv1d(x, weight, bias, activation=activation, seq_idx=seq_idx, backend=backend)
-    B, T, D = x.shape
     w = K - 1
     if T < w:
         raise ValueError(
@@ -162,37 +172,16 @@ def sp_causal_conv1d(
 # ---------------------------------------------------------------------------------------------- Mamba2 / SSD
 
 
-def sp_ssd_scan(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    *,
-    sp: SPContext,
-    chunk_size: int = 256,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    dt_softplus: bool = True,
-    seq_idx: Tensor | None = None,
-    initial_state: Tensor | None = None,
-    token_mask: Tensor | None = None,
-    return_final_state: bool = False,
-    return_varlen_states: bool = False,
-    backend: str = "auto",
-) -> Tensor:
-    """:func:`safepad.ops.ssd.ssd_scan` on a shard: ``x`` ``[B, T, H, P]`` -> ``y`` ``[B, T, H, P]``."""
-    _refuse("ssd_scan", initial_state=initial_state, token_mask=token_mask,
-            return_final_state=return_final_state, return_varlen_states=return_varlen_states)
-    Bsz, T, H, P = x.shape
-    G, N = B.shape[2], B.shape[3]
-    y0, F_loc = ssd_scan(
-        x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit, dt_softplus=dt_softplus,
-        seq_idx=seq_idx, return_final_state=True, backend=backend,
-    )  # [B, T, H, P], [B, H, P, N] (compute dtype)
+def sp_ssd_scan(*args: Any, sp: SPContext, **kwargs: Any) -> Tensor:
+    """:func:`safepad.ops.ssd.ssd_scan` on a shard (its arguments): ``x`` ``[B, T, H, P]`` -> ``y`` ``[B, T, H, P]``."""
+    kw, c = _arguments(ssd_scan, check_ssd_scan_args, args, kwargs)
+    x, dt, A, B, C, D, dt_bias, dt_softplus, seq_idx = (
+        kw[n] for n in ("x", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "seq_idx")
+    )
+    Bsz, T, H, P, G, N = c.Bsz, c.T, c.H, c.P, c.G, c.N
+    y0, F_loc = ssd_scan(**{**kw, "return_final_state": True})  # [B, T, H, P], [B, H, P, N] (compute dtype)
     ct = F_loc.dtype
-    dtp = process_dt(dt, dt_bias, validate_dt_limit(dt_limit), dt_softplus).to(ct)  # [B, T, H]
+    dtp = process_dt(dt, dt_bias, c.dt_limit, dt_softplus).to(ct)  # [B, T, H]
     first, passes = _first_sequence(seq_idx, (Bsz, T), x.device)
     la = dtp * A.to(ct)  # [B, T, H] log-decay per token
     if first is not None:
@@ -214,40 +203,22 @@ def sp_ssd_scan(
 # ---------------------------------------------------------------------------------------------- gated delta rule
 
 
-def sp_chunk_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    sp: SPContext,
-    chunk_size: int = 64,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    seq_idx: Tensor | None = None,
-    token_mask: Tensor | None = None,
-    use_qk_l2norm: bool = False,
-    return_final_state: bool = False,
-    return_varlen_states: bool = False,
-    backend: str = "auto",
-) -> Tensor:
-    """:func:`safepad.ops.delta_rule.chunk_gated_delta_rule` on a shard: ``v`` ``[B, T, H, Dv]`` -> ``o`` same.
+def sp_chunk_gated_delta_rule(*args: Any, sp: SPContext, **kwargs: Any) -> Tensor:
+    """:func:`safepad.ops.delta_rule.chunk_gated_delta_rule` on a shard (its arguments): ``v`` ``[B, T, H, Dv]``
+    -> ``o`` same.
 
     The value columns are extended by ``Dk`` zero columns and the initial state by the identity, so the
     one scan also yields the shard's state map ``M`` ``[B, H, Dk, Dk]`` and ``M_tᵀ q_t`` per token.
     """
-    _refuse("chunk_gated_delta_rule", initial_state=initial_state, token_mask=token_mask,
-            return_final_state=return_final_state, return_varlen_states=return_varlen_states)
-    Bsz, T, H, Dv = v.shape
-    Dk = q.shape[-1]
+    kw, c = _arguments(chunk_gated_delta_rule, check_delta_rule_args, args, kwargs)
+    q, k, v, seq_idx = kw["q"], kw["k"], kw["v"], kw["seq_idx"]
+    Bsz, T, H, Dv, Dk = c.b, c.t, c.h, c.dv, c.dk
     ct = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
     v_ext = torch.cat([v, v.new_zeros(Bsz, T, H, Dk)], dim=-1)  # [B, T, H, Dv + Dk]
     init = torch.zeros(Bsz, H, Dk, Dv + Dk, dtype=ct, device=v.device)
     init[..., Dv:] = torch.eye(Dk, dtype=ct, device=v.device)  # [B, H, Dk, Dv + Dk] = [0 | I]
     o_ext, fin = chunk_gated_delta_rule(
-        q, k, v_ext, g, beta, chunk_size=chunk_size, scale=scale, initial_state=init, seq_idx=seq_idx,
-        use_qk_l2norm=use_qk_l2norm, return_final_state=True, backend=backend,
+        **{**kw, "v": v_ext, "initial_state": init, "return_final_state": True}
     )  # [B, T, H, Dv + Dk], [B, H, Dk, Dv + Dk]
     o0, qM = o_ext[..., :Dv], o_ext[..., Dv:]  # [B, T, H, Dv], [B, T, H, Dk] = M_tᵀ (scale q_t)
     F_loc, M = fin[..., :Dv], fin[..., Dv:]  # [B, H, Dk, Dv], [B, H, Dk, Dk] (0 unless one sequence spans the shard)
@@ -265,32 +236,16 @@ def sp_chunk_gated_delta_rule(
 # ---------------------------------------------------------------------------------------------- Mamba1
 
 
-def sp_selective_scan(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    *,
-    sp: SPContext,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = True,
-    seq_idx: Tensor | None = None,
-    initial_state: Tensor | None = None,
-    token_mask: Tensor | None = None,
-    return_final_state: bool = False,
-    return_varlen_states: bool = False,
-    backend: str = "auto",
-) -> Tensor:
-    """:func:`safepad.ops.selective_scan.selective_scan` on a shard: ``u`` ``[B, T, Dm]`` -> ``y`` same."""
-    _refuse("selective_scan", initial_state=initial_state, token_mask=token_mask,
-            return_final_state=return_final_state, return_varlen_states=return_varlen_states)
-    Bsz, T, Dm = u.shape
+def sp_selective_scan(*args: Any, sp: SPContext, **kwargs: Any) -> Tensor:
+    """:func:`safepad.ops.selective_scan.selective_scan` on a shard (its arguments): ``u`` ``[B, T, Dm]`` -> ``y``
+    same."""
+    kw, c = _arguments(selective_scan, check_selective_scan_args, args, kwargs)
+    u, delta, A, D, z, delta_bias, delta_softplus, seq_idx = (
+        kw[n] for n in ("u", "delta", "A", "D", "z", "delta_bias", "delta_softplus", "seq_idx")
+    )
+    Bsz, T = c.Bsz, c.T
     y0, F_loc = selective_scan(
-        u, delta, A, B, C, delta_bias=delta_bias, delta_softplus=delta_softplus, seq_idx=seq_idx,
-        return_final_state=True, backend=backend,
+        **{**kw, "D": None, "z": None, "return_final_state": True}
     )  # [B, T, Dm] before D and the gate, [B, Dm, N]
     ct = F_loc.dtype
     dtp = process_dt(delta, delta_bias, (float("-inf"), float("inf")), delta_softplus).to(ct)  # [B, T, Dm]
@@ -305,8 +260,7 @@ def sp_selective_scan(
     else:
         h_in = _incoming(sp, F_all, a_all, torch.mul)  # [B, Dm, N]
         corr = selective_scan(
-            torch.zeros_like(u), delta, A, B, C, delta_bias=delta_bias, delta_softplus=delta_softplus,
-            seq_idx=seq_idx, initial_state=h_in, backend=backend,
+            **{**kw, "u": torch.zeros_like(u), "D": None, "z": None, "initial_state": h_in}
         )  # [B, T, Dm]: C_t · (decay ∘ h_in) on the first sequence, 0 elsewhere
         corr = corr.to(ct)
         if first is not None:

@@ -12,6 +12,7 @@ always gathered by the torch code here (an exact gather, not a computation), so 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ from .amp import fp32_core
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["causal_conv1d", "causal_conv1d_step", "conv_states_from_inputs"]
+__all__ = [
+    "ConvArgs", "causal_conv1d", "causal_conv1d_step", "check_causal_conv1d_args", "conv_states_from_inputs",
+]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -353,6 +356,64 @@ def _kernel_conv_ok(x: Tensor, K: int) -> bool:
     return 2 <= K <= 4 and x.shape[2] % 8 == 0 and x.dtype in _KERNEL_DTYPES
 
 
+class ConvArgs(NamedTuple):
+    """:func:`causal_conv1d`'s arguments once checked: the sizes, the validated ``seq_idx``, the boolean
+    ``mask`` (``None`` without a token mask) and the resolved ``state_len``."""
+
+    Bsz: int
+    T: int
+    D: int
+    K: int
+    seq_idx: Tensor | None
+    mask: Tensor | None
+    state_len: int
+
+
+def check_causal_conv1d_args(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    activation: str | None,
+    seq_idx: Tensor | None,
+    initial_state: Tensor | None,
+    token_mask: Tensor | None,
+    return_final_state: bool,
+    state_len: int | None,
+    return_varlen_states: bool,
+    backend: str,
+) -> ConvArgs:
+    """Validate :func:`causal_conv1d`'s arguments (shapes ``[B, T, D]`` etc., see there); raise ``ValueError``
+    naming the first bad one. Shared with the sequence-parallel conv (``safepad.distributed.ops``)."""
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise ValueError(f"x must have shape [batch, seqlen, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    Bsz, T, D = x.shape
+    if T == 0:
+        raise ValueError("x must have at least one token (seqlen >= 1)")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [dim, width] = [{D}, K], got {tuple(weight.shape)}")
+    K = weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"bias must have shape [dim] = [{D}], got {tuple(bias.shape)}")
+    _check_activation(activation)
+    check_backend(backend)
+    if seq_idx is not None:
+        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
+    mask = _check_token_mask(token_mask, Bsz, T)
+    if initial_state is not None and (
+        initial_state.dim() != 3 or initial_state.shape[:2] != (Bsz, D) or initial_state.shape[2] < K - 1
+    ):
+        raise ValueError(
+            f"initial_state must have shape [batch, dim, S] = [{Bsz}, {D}, S >= {K - 1}] (previous inputs, "
+            f"oldest first), got {tuple(initial_state.shape)}"
+        )
+    if state_len is None:
+        state_len = K - 1
+    if state_len < 1 and (return_final_state or return_varlen_states):
+        raise ValueError(f"state_len must be >= 1 to return conv states, got {state_len}")
+    return ConvArgs(Bsz, T, D, K, seq_idx, mask, state_len)
+
+
 @fp32_core
 def causal_conv1d(
     x: Tensor,
@@ -389,32 +450,11 @@ def causal_conv1d(
     Returns:
         ``y [B, T, D]`` (dtype of ``x``), then ``final_state`` and ``varlen_states`` when requested.
     """
-    if not isinstance(x, Tensor) or x.dim() != 3:
-        raise ValueError(f"x must have shape [batch, seqlen, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    Bsz, T, D = x.shape
-    if T == 0:
-        raise ValueError("x must have at least one token (seqlen >= 1)")
-    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
-        raise ValueError(f"weight must have shape [dim, width] = [{D}, K], got {tuple(weight.shape)}")
-    K = weight.shape[1]
-    if bias is not None and tuple(bias.shape) != (D,):
-        raise ValueError(f"bias must have shape [dim] = [{D}], got {tuple(bias.shape)}")
-    _check_activation(activation)
-    check_backend(backend)
-    if seq_idx is not None:
-        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
-    mask = _check_token_mask(token_mask, Bsz, T)
-    if initial_state is not None and (
-        initial_state.dim() != 3 or initial_state.shape[:2] != (Bsz, D) or initial_state.shape[2] < K - 1
-    ):
-        raise ValueError(
-            f"initial_state must have shape [batch, dim, S] = [{Bsz}, {D}, S >= {K - 1}] (previous inputs, "
-            f"oldest first), got {tuple(initial_state.shape)}"
-        )
-    if state_len is None:
-        state_len = K - 1
-    if state_len < 1 and (return_final_state or return_varlen_states):
-        raise ValueError(f"state_len must be >= 1 to return conv states, got {state_len}")
+    Bsz, T, D, K, seq_idx, mask, state_len = check_causal_conv1d_args(
+        x, weight, bias, activation=activation, seq_idx=seq_idx, initial_state=initial_state, token_mask=token_mask,
+        return_final_state=return_final_state, state_len=state_len, return_varlen_states=return_varlen_states,
+        backend=backend,
+    )
 
     ct = _compute_dtype(x.dtype, weight.dtype)
     xc = x.to(ct)

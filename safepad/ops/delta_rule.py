@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,9 @@ from .finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["chunk_gated_delta_rule", "gated_delta_rule_step", "l2norm"]
+__all__ = [
+    "DeltaRuleArgs", "check_delta_rule_args", "chunk_gated_delta_rule", "gated_delta_rule_step", "l2norm",
+]
 
 _L2NORM_EPS = 1e-6  # transformers' (and FLA's) l2norm eps
 
@@ -134,6 +137,59 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------
 
 
+class DeltaRuleArgs(NamedTuple):
+    """:func:`chunk_gated_delta_rule`'s arguments once checked: the sizes, whether the gate is per key
+    channel, the resolved ``scale``, the validated ``seq_idx`` and the boolean ``token_mask``."""
+
+    b: int
+    t: int
+    hk: int
+    dk: int
+    h: int
+    dv: int
+    per_channel: bool
+    scale: float
+    seq_idx: Tensor | None
+    token_mask: Tensor | None
+
+
+def check_delta_rule_args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    chunk_size: int,
+    scale: float | None,
+    initial_state: Tensor | None,
+    seq_idx: Tensor | None,
+    token_mask: Tensor | None,
+) -> DeltaRuleArgs:
+    """Validate :func:`chunk_gated_delta_rule`'s arguments (shapes ``[B, T, H, D]`` etc., see there); raise
+    ``ValueError`` naming the first bad one. Shared with the sequence-parallel op (``safepad.distributed.ops``)."""
+    hk, dk, h, dv, per_channel = _check_qkv_gates(q, k, v, g, beta, ("B", "T"))
+    b, t = q.shape[:2]
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    scale = _check_scale(scale, dk)
+    _check_state(initial_state, "initial_state", (b, h, dk, dv), q.device)
+    if seq_idx is not None:
+        seq_idx = validate_seq_idx(seq_idx, (b, t))
+        if seq_idx.device != q.device:
+            raise ValueError(f"seq_idx is on {seq_idx.device} but the inputs are on {q.device}")
+    if token_mask is not None:
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (b, t):
+            got = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+            raise ValueError(f"token_mask must be a [B, T] = {(b, t)} tensor (True = real token), got {got}")
+        if token_mask.is_floating_point() or token_mask.is_complex():
+            raise ValueError(f"token_mask must be bool (True = real token), got {token_mask.dtype}")
+        if token_mask.device != q.device:
+            raise ValueError(f"token_mask is on {token_mask.device} but the inputs are on {q.device}")
+        token_mask = token_mask.to(torch.bool)
+    return DeltaRuleArgs(b, t, hk, dk, h, dv, per_channel, scale, seq_idx, token_mask)
+
+
 @fp32_core
 def chunk_gated_delta_rule(
     q: Tensor,
@@ -181,25 +237,10 @@ def chunk_gated_delta_rule(
         followed by the requested ``final_state`` and ``varlen_states`` (in that order), both float32
         (float64 when any input is float64).
     """
-    hk, dk, h, dv, per_channel = _check_qkv_gates(q, k, v, g, beta, ("B", "T"))
-    b, t = q.shape[:2]
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    scale = _check_scale(scale, dk)
-    _check_state(initial_state, "initial_state", (b, h, dk, dv), q.device)
-    if seq_idx is not None:
-        seq_idx = validate_seq_idx(seq_idx, (b, t))
-        if seq_idx.device != q.device:
-            raise ValueError(f"seq_idx is on {seq_idx.device} but the inputs are on {q.device}")
-    if token_mask is not None:
-        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (b, t):
-            got = tuple(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
-            raise ValueError(f"token_mask must be a [B, T] = {(b, t)} tensor (True = real token), got {got}")
-        if token_mask.is_floating_point() or token_mask.is_complex():
-            raise ValueError(f"token_mask must be bool (True = real token), got {token_mask.dtype}")
-        if token_mask.device != q.device:
-            raise ValueError(f"token_mask is on {token_mask.device} but the inputs are on {q.device}")
-        token_mask = token_mask.to(torch.bool)
+    b, t, hk, dk, h, dv, per_channel, scale, seq_idx, token_mask = check_delta_rule_args(
+        q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state, seq_idx=seq_idx,
+        token_mask=token_mask,
+    )
 
     if kernels.use_kernels(q, k, v, g, beta, initial_state, need=("fla_chunk_gated_delta_rule",), backend=backend):
         why = _fla_inexpressible(q, k, v, per_channel)

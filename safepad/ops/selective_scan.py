@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ from safepad.ops.finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["selective_scan", "selective_state_step"]
+__all__ = ["SelectiveScanArgs", "check_selective_scan_args", "selective_scan", "selective_state_step"]
 
 _NO_LIMIT = (-math.inf, math.inf)  # mamba-ssm applies no clamp, with or without softplus
 
@@ -268,6 +269,76 @@ def _gate(y: Tensor, u: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+class SelectiveScanArgs(NamedTuple):
+    """:func:`selective_scan`'s arguments once checked: the sizes, ``A`` as ``[Dm, N]``, the validated
+    ``seq_idx`` and the boolean ``token_mask`` (``None`` when not given)."""
+
+    Bsz: int
+    T: int
+    Dm: int
+    N: int
+    A: Tensor
+    seq_idx: Tensor | None
+    token_mask: Tensor | None
+
+
+def check_selective_scan_args(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    seq_idx: Tensor | None,
+    initial_state: Tensor | None,
+    token_mask: Tensor | None,
+    backend: str,
+) -> SelectiveScanArgs:
+    """Validate :func:`selective_scan`'s arguments (shapes ``[B, T, Dm]`` etc., see there); raise ``ValueError``
+    naming the first bad one. Shared with the sequence-parallel scan (``safepad.distributed.ops``)."""
+    _check_backend(backend)
+    if not isinstance(u, Tensor) or u.dim() != 3:
+        raise ValueError(f"u must be a tensor of shape [B, T, Dm], got {getattr(u, 'shape', type(u).__name__)}")
+    if not u.is_floating_point():
+        raise ValueError(f"u must be a floating-point tensor, got {u.dtype}")
+    Bsz, T, Dm = u.shape
+    if T < 1 or Bsz < 1:
+        raise ValueError(f"u must have at least one row and one token, got shape {list(u.shape)}")
+    _check_tensor(delta, "delta", (Bsz, T, Dm), "[B, T, Dm]")
+    A = _check_A(A, Dm)
+    N = A.shape[1]
+    _check_tensor(B, "B", (Bsz, T, N), "[B, T, N]")
+    _check_tensor(C, "C", (Bsz, T, N), "[B, T, N]")
+    if D is not None:
+        _check_tensor(D, "D", (Dm,), "[Dm]")
+    if z is not None:
+        _check_tensor(z, "z", (Bsz, T, Dm), "[B, T, Dm]")
+    if delta_bias is not None:
+        _check_tensor(delta_bias, "delta_bias", (Dm,), "[Dm]")
+    if initial_state is not None:
+        _check_tensor(initial_state, "initial_state", (Bsz, Dm, N), "[B, Dm, N]")
+    if seq_idx is not None:
+        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
+    if token_mask is not None:
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz, T):
+            shape = list(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
+            raise ValueError(f"token_mask must be a bool tensor of shape [B, T] = [{Bsz}, {T}], got {shape}")
+        if token_mask.dtype != torch.bool:
+            message = "token_mask must be boolean (or 0/1 integers): True marks a real token"
+            if token_mask.is_floating_point():
+                raise ValueError(message)
+            if tracing():
+                device_check(((token_mask == 0) | (token_mask == 1)).all(), message)
+            elif bool(((token_mask != 0) & (token_mask != 1)).any()):
+                raise ValueError(message)
+            token_mask = token_mask.bool()
+
+    return SelectiveScanArgs(Bsz, T, Dm, N, A, seq_idx, token_mask)
+
+
 @fp32_core
 def selective_scan(
     u: Tensor,
@@ -312,42 +383,10 @@ def selective_scan(
         ``y`` ``[B, T, Dm]`` in ``u.dtype``, or a tuple ``(y, final_state?, varlen_states?)`` when
         states are requested. States are fp32 (fp64 when ``u`` is fp64).
     """
-    _check_backend(backend)
-    if not isinstance(u, Tensor) or u.dim() != 3:
-        raise ValueError(f"u must be a tensor of shape [B, T, Dm], got {getattr(u, 'shape', type(u).__name__)}")
-    if not u.is_floating_point():
-        raise ValueError(f"u must be a floating-point tensor, got {u.dtype}")
-    Bsz, T, Dm = u.shape
-    if T < 1 or Bsz < 1:
-        raise ValueError(f"u must have at least one row and one token, got shape {list(u.shape)}")
-    _check_tensor(delta, "delta", (Bsz, T, Dm), "[B, T, Dm]")
-    A = _check_A(A, Dm)
-    N = A.shape[1]
-    _check_tensor(B, "B", (Bsz, T, N), "[B, T, N]")
-    _check_tensor(C, "C", (Bsz, T, N), "[B, T, N]")
-    if D is not None:
-        _check_tensor(D, "D", (Dm,), "[Dm]")
-    if z is not None:
-        _check_tensor(z, "z", (Bsz, T, Dm), "[B, T, Dm]")
-    if delta_bias is not None:
-        _check_tensor(delta_bias, "delta_bias", (Dm,), "[Dm]")
-    if initial_state is not None:
-        _check_tensor(initial_state, "initial_state", (Bsz, Dm, N), "[B, Dm, N]")
-    if seq_idx is not None:
-        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
-    if token_mask is not None:
-        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz, T):
-            shape = list(token_mask.shape) if isinstance(token_mask, Tensor) else type(token_mask).__name__
-            raise ValueError(f"token_mask must be a bool tensor of shape [B, T] = [{Bsz}, {T}], got {shape}")
-        if token_mask.dtype != torch.bool:
-            message = "token_mask must be boolean (or 0/1 integers): True marks a real token"
-            if token_mask.is_floating_point():
-                raise ValueError(message)
-            if tracing():
-                device_check(((token_mask == 0) | (token_mask == 1)).all(), message)
-            elif bool(((token_mask != 0) & (token_mask != 1)).any()):
-                raise ValueError(message)
-            token_mask = token_mask.bool()
+    Bsz, T, Dm, N, A, seq_idx, token_mask = check_selective_scan_args(
+        u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, seq_idx=seq_idx, initial_state=initial_state,
+        token_mask=token_mask, backend=backend,
+    )
 
     if torch.compiler.is_compiling():
         multi_seq = seq_idx is not None and T > 1  # no host sync while tracing: reset wherever seq_idx changes

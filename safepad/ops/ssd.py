@@ -20,6 +20,7 @@ calls ``selective_state_update`` with dt already processed, so both paths share 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from .finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ssd_scan", "ssd_step"]
+__all__ = ["SSDArgs", "check_ssd_scan_args", "ssd_scan", "ssd_step"]
 
 
 def _shape(t: object) -> object:
@@ -627,6 +628,76 @@ def _varlen_states(
     return st + w_prev[:, :, None, None] * prev[row, ci]  # [S, H, P, N]
 
 
+class SSDArgs(NamedTuple):
+    """:func:`ssd_scan`'s arguments once checked: the sizes, and the normalised ``dt_limit`` / ``seq_idx`` /
+    boolean ``mask`` (``None`` without a token mask)."""
+
+    Bsz: int
+    T: int
+    H: int
+    P: int
+    G: int
+    N: int
+    dt_limit: tuple[float, float]
+    seq_idx: Tensor | None
+    mask: Tensor | None
+
+
+def check_ssd_scan_args(
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    *,
+    chunk_size: int,
+    D: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_limit: tuple[float, float],
+    seq_idx: Tensor | None,
+    initial_state: Tensor | None,
+    token_mask: Tensor | None,
+    backend: str,
+) -> SSDArgs:
+    """Validate :func:`ssd_scan`'s arguments (shapes ``[B, T, H, P]`` etc., see there); raise ``ValueError``
+    naming the first bad one. Shared with the sequence-parallel scan (``safepad.distributed.ops``)."""
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        raise ValueError(f"x must have shape [batch, seqlen, H, P], got {_shape(x)}")
+    Bsz, T, H, P = x.shape
+    if T == 0:
+        raise ValueError("x must have at least one token (seqlen >= 1)")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check("dt", dt, (Bsz, T, H), "[batch, seqlen, H]")
+    _check("A", A, (H,), "[H]")
+    if not isinstance(B, Tensor) or B.dim() != 4 or B.shape[:2] != (Bsz, T):
+        raise ValueError(f"B must have shape [batch, seqlen, G, N] = [{Bsz}, {T}, G, N], got {_shape(B)}")
+    G, N = B.shape[2], B.shape[3]
+    if G == 0 or H % G != 0:
+        raise ValueError(f"B has {G} groups but the number of heads H={H} must be a multiple of it")
+    _check("C", C, (Bsz, T, G, N), "[batch, seqlen, G, N]")
+    _check_D(D, H, P)
+    if dt_bias is not None:
+        _check("dt_bias", dt_bias, (H,), "[H]")
+    dt_limit = validate_dt_limit(dt_limit)
+    check_backend(backend)
+    if seq_idx is not None:
+        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
+    if initial_state is not None:
+        _check("initial_state", initial_state, (Bsz, H, P, N), "[batch, H, P, N]")
+    mask = None
+    if token_mask is not None:
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz, T):
+            raise ValueError(
+                f"token_mask must have shape [batch, seqlen] = {[Bsz, T]} (True/1 = real token), got {_shape(token_mask)}"
+            )
+        if token_mask.dtype.is_floating_point or token_mask.dtype.is_complex:
+            raise ValueError(f"token_mask must be bool or integer (True/1 = real token), got {token_mask.dtype}")
+        mask = token_mask.bool()
+
+    return SSDArgs(Bsz, T, H, P, G, N, dt_limit, seq_idx, mask)
+
+
 @fp32_core
 def ssd_scan(
     x: Tensor,
@@ -670,40 +741,10 @@ def ssd_scan(
         ``y [B, T, H, P]`` (dtype of ``x``), then the requested states, float32 (float64 when ``x`` is
         float64).
     """
-    if not isinstance(x, Tensor) or x.dim() != 4:
-        raise ValueError(f"x must have shape [batch, seqlen, H, P], got {_shape(x)}")
-    Bsz, T, H, P = x.shape
-    if T == 0:
-        raise ValueError("x must have at least one token (seqlen >= 1)")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    _check("dt", dt, (Bsz, T, H), "[batch, seqlen, H]")
-    _check("A", A, (H,), "[H]")
-    if not isinstance(B, Tensor) or B.dim() != 4 or B.shape[:2] != (Bsz, T):
-        raise ValueError(f"B must have shape [batch, seqlen, G, N] = [{Bsz}, {T}, G, N], got {_shape(B)}")
-    G, N = B.shape[2], B.shape[3]
-    if G == 0 or H % G != 0:
-        raise ValueError(f"B has {G} groups but the number of heads H={H} must be a multiple of it")
-    _check("C", C, (Bsz, T, G, N), "[batch, seqlen, G, N]")
-    _check_D(D, H, P)
-    if dt_bias is not None:
-        _check("dt_bias", dt_bias, (H,), "[H]")
-    dt_limit = validate_dt_limit(dt_limit)
-    check_backend(backend)
-    if seq_idx is not None:
-        seq_idx = validate_seq_idx(seq_idx, (Bsz, T))
-    if initial_state is not None:
-        _check("initial_state", initial_state, (Bsz, H, P, N), "[batch, H, P, N]")
-    mask = None
-    if token_mask is not None:
-        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz, T):
-            raise ValueError(
-                f"token_mask must have shape [batch, seqlen] = {[Bsz, T]} (True/1 = real token), got {_shape(token_mask)}"
-            )
-        if token_mask.dtype.is_floating_point or token_mask.dtype.is_complex:
-            raise ValueError(f"token_mask must be bool or integer (True/1 = real token), got {token_mask.dtype}")
-        mask = token_mask.bool()
-
+    Bsz, T, H, P, G, N, dt_limit, seq_idx, mask = check_ssd_scan_args(
+        x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_limit=dt_limit, seq_idx=seq_idx,
+        initial_state=initial_state, token_mask=token_mask, backend=backend,
+    )
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     dtp = process_dt(dt, dt_bias, dt_limit, dt_softplus).to(ct)  # [B, T, H]
     xk, Bk, Ck = x, B, C

@@ -176,15 +176,12 @@ def spawn(world: int, cases: list[dict], tmp_path) -> list[dict]:
     return out
 
 
-def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _accelerate_recipe() -> dict:
     """The docs' accelerate recipe: Accelerator + prepare (DDP over the SP ranks) + gradients='ddp'.
 
-    Writes the relative errors of the loss, of every gradient (after DDP's average) and of every parameter
-    after one SGD step against the same step on one process over the full batch.
+    Returns the relative errors of the loss, of every gradient (after DDP's average) and of every parameter
+    after one SGD step against the same step on one process over the full batch. Needs the env:// variables.
     """
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
     from accelerate import Accelerator
 
     import safepad
@@ -192,42 +189,155 @@ def accelerate_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from safepad.testing.tiny import tiny_model
 
     res: dict = {}
-    try:
-        accelerator = Accelerator(cpu=True)
-        res["distributed_type"] = str(accelerator.distributed_type)
-        ref = safepad.wrap(tiny_model("nemotron_h"))
-        ids, pos, seq, labels = _batch(PACKED, ref.config.vocab_size, seed=1)
-        batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
-        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
-        loss_ref = ref(**batch).loss
-        loss_ref.backward()
-        opt_ref.step()
+    accelerator = Accelerator(cpu=True)
+    res["distributed_type"] = str(accelerator.distributed_type)
+    ref = safepad.wrap(tiny_model("nemotron_h"))
+    ids, pos, seq, labels = _batch(PACKED, ref.config.vocab_size, seed=1)
+    batch = {"input_ids": ids, "position_ids": pos, "labels": labels}
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    loss_ref = ref(**batch).loss
+    loss_ref.backward()
+    opt_ref.step()
 
-        model = safepad.wrap(tiny_model("nemotron_h"))
-        sp = spd.sequence_parallel(model, gradients="ddp")
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        model, opt = accelerator.prepare(model, opt)
-        res["wrapper"] = type(model).__name__
-        loss = model(**{k: v.to(accelerator.device) for k, v in batch.items()}).loss
-        accelerator.backward(loss)
-        inner = accelerator.unwrap_model(model)
-        ref_g = _grads(ref)
-        got = _grads(inner)  # after DDP's average over the SP ranks: must be the unsharded gradient
-        res["grad_max_rel"] = max(_rel(got[n], ref_g[n]) for n in ref_g if ref_g[n].abs().max() > 0)
-        res["grads"] = sum(1 for n in ref_g if ref_g[n].abs().max() > 0)
-        opt.step()
-        opt.zero_grad()
-        res["loss_rel"] = _rel(loss.detach(), loss_ref.detach())
-        ref_p = dict(ref.named_parameters())
-        res["param_max_rel"] = max(_rel(p.detach(), ref_p[n].detach()) for n, p in inner.named_parameters())
-        sp.remove()
+    model = safepad.wrap(tiny_model("nemotron_h"))
+    sp = spd.sequence_parallel(model, gradients="ddp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = accelerator.prepare(model, opt)
+    res["wrapper"] = type(model).__name__
+    loss = model(**{k: v.to(accelerator.device) for k, v in batch.items()}).loss
+    accelerator.backward(loss)
+    inner = accelerator.unwrap_model(model)
+    ref_g = _grads(ref)
+    got = _grads(inner)  # after DDP's average over the SP ranks: must be the unsharded gradient
+    res["grad_max_rel"] = max(_rel(got[n], ref_g[n]) for n in ref_g if ref_g[n].abs().max() > 0)
+    res["grads"] = sum(1 for n in ref_g if ref_g[n].abs().max() > 0)
+    opt.step()
+    opt.zero_grad()
+    res["loss_rel"] = _rel(loss.detach(), loss_ref.detach())
+    ref_p = dict(ref.named_parameters())
+    res["param_max_rel"] = max(_rel(p.detach(), ref_p[n].detach()) for n, p in inner.named_parameters())
+    sp.remove()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- Trainer
+
+#: Trainer runs: (id, sp_size, per-device batch, gradient accumulation). The reference is ONE process with the
+#: same seed and a batch of (world / sp) * per-device batch, so it sees the same examples per optimizer step,
+#: in float64 (the exact reference: a single-process fp32 run is itself 3.4e-5 of conv1d.bias's scale off it).
+TRAINER_CASES = [("sp4", 4, 3, 2), ("dp2xsp2", 2, 3, 1)]
+
+
+def _trainer_data(vocab: int):
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(3, 41, (36,), generator=g).tolist()
+    train = [{"input_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in lengths]
+    evals = [{"input_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in lengths[:12]]
+    return train, evals
+
+
+def _run_trainer(
+    case_id: str, batch: int, accum: int, out: str, sp_size: int | None = None, dtype: torch.dtype = torch.float32
+) -> dict:
+    """A few SGD steps of the tiny Nemotron-H under transformers.Trainer; returns per-micro-step losses, the
+    eval loss and the parameters (before and after) as lists."""
+    from transformers import Trainer, TrainingArguments
+
+    import safepad
+    from collators import DataCollatorForPackedSSM
+    from safepad.testing.tiny import tiny_model
+
+    losses: list[float] = []
+
+    class Recording(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            losses.append(float(loss))
+            return loss
+
+    model = safepad.wrap(tiny_model("nemotron_h", dtype=dtype))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train, evals = _trainer_data(model.config.vocab_size)
+    args = TrainingArguments(
+        output_dir=os.path.join(out, case_id), max_steps=3, per_device_train_batch_size=batch,
+        per_device_eval_batch_size=batch, gradient_accumulation_steps=accum, optim="sgd", learning_rate=0.05,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, report_to=[], save_strategy="no",
+        logging_steps=1, use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False, seed=3, disable_tqdm=True,
+    )
+    trainer = Recording(model=model, args=args, train_dataset=train, eval_dataset=evals,
+                        data_collator=DataCollatorForPackedSSM(pad_to_multiple_of=32, pad_token_id=0))
+    if sp_size is not None:
+        import safepad.distributed as spd
+
+        spd.prepare_trainer(trainer, sp_size=sp_size)
+    trainer.train()
+    ev = trainer.evaluate()
+    after = dict(model.named_parameters())
+    return {"losses": losses, "eval_loss": ev["eval_loss"],
+            "update": {n: (after[n].detach() - before[n]).tolist() for n in before},
+            "params": {n: after[n].detach().tolist() for n in before}}
+
+
+def _reset_accelerate(partial: bool) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=partial)
+    GradientState._reset_state()
+
+
+def trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """The accelerate and Trainer checks in ONE spawn. Ranks 0 and 1 first run the single-process Trainer
+    references (before any process group exists); then all ranks run the accelerate recipe, every case of
+    :data:`TRAINER_CASES` under :func:`safepad.distributed.prepare_trainer`, and the control: the SP model
+    hooks alone under Trainer (its per-rank sampler) must raise, not train on mixed shards."""
+    torch.set_num_threads(1)
+    res: dict = {}
+    try:
+        for i, (cid, sp_size, batch, accum) in enumerate(TRAINER_CASES):
+            if i % world == rank:  # the references run concurrently, one per rank
+                res[f"ref-{cid}"] = _run_trainer(
+                    f"ref-{cid}", batch * world // sp_size, accum, out_dir, dtype=torch.float64
+                )
+                _reset_accelerate(partial=True)
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        res["accelerate"] = _accelerate_recipe()
+        _reset_accelerate(partial=False)
+        for cid, sp_size, batch, accum in TRAINER_CASES:
+            res[cid] = _run_trainer(cid, batch, accum, out_dir, sp_size=sp_size)
+            _reset_accelerate(partial=False)
+        res["control"] = _trainer_control(out_dir)
     except Exception as err:  # noqa: BLE001 - reported to the test
         res["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-    with open(os.path.join(out_dir, f"acc{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"trainer{rank}.json"), "w") as f:
         json.dump(res, f)
 
 
-def spawn_accelerate(world: int, tmp_path) -> list[dict]:
+def _trainer_control(out: str) -> str | None:
+    """``sequence_parallel`` alone under Trainer: each rank's sampler hands it another batch; must raise."""
+    from transformers import Trainer, TrainingArguments
+
+    import safepad
+    import safepad.distributed as spd
+    from collators import DataCollatorForPackedSSM
+    from safepad.testing.tiny import tiny_model
+
+    model = safepad.wrap(tiny_model("nemotron_h"))
+    train, _ = _trainer_data(model.config.vocab_size)
+    args = TrainingArguments(output_dir=os.path.join(out, "control"), max_steps=1, per_device_train_batch_size=3,
+                             report_to=[], save_strategy="no", use_cpu=True, remove_unused_columns=False,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=train,
+                      data_collator=DataCollatorForPackedSSM(pad_to_multiple_of=32, pad_token_id=0))
+    spd.sequence_parallel(model, gradients="ddp")
+    try:
+        trainer.train()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def spawn_trainer(world: int, tmp_path) -> list[dict]:
     import socket
 
     import torch.multiprocessing as mp
@@ -235,9 +345,9 @@ def spawn_accelerate(world: int, tmp_path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(accelerate_worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(trainer_worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
     out = []
     for r in range(world):
-        with open(tmp_path / f"acc{r}.json") as f:
+        with open(tmp_path / f"trainer{r}.json") as f:
             out.append(json.load(f))
     return out

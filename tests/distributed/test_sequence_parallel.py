@@ -7,12 +7,18 @@ mid-chunk (chunk 16), exactly at a shard edge that is also a chunk edge, a seque
 negative control runs each rank's shard alone from zero states (the configuration accelerate refuses): its
 logits are far off on every rank but the first, which is what the exchanges fix.
 
-fp32 tolerance: 1e-5 of each tensor's scale. The gated delta rule's single-process fp32 gradients are
-themselves ~5e-5 off their float64 values (measured: ``in_proj_ba`` / ``dt_bias`` of layer 0), so
-Qwen3-Next is checked at 1e-5 in float64 (dense MLPs: transformers' grouped_mm MoE has no float64) and
-at that measured fp32 noise level in float32; likewise Bamba (its fp32 reference is 7e-5 off float64). In
-float64 every sharded gradient is within 2e-7 of the single-process one (the loss itself is computed in
-fp32 by both, as transformers does).
+fp32 tolerance: 1e-5 of each tensor's scale, except the gated-delta families (5e-5), whose fp32 noise floor
+is above 1e-5. Measured (P = 2, Qwen3-Next with dense MLPs, max over every gradient of |diff| / scale):
+the single-process fp32 model is 5.5e-5 off float64 (``linear_attn.dt_bias`` of layer 0), and running only
+its torch-core ``chunk_gated_delta_rule`` in float64 drops that to 6.6e-6, so the error is the chunked
+delta rule's own fp32 rounding, not the rank exchange: the sharded fp32 run is 8.6e-6 off float64, closer
+than the single-process one. Neither chunk alignment (shards of 48 / 24 tokens at chunk 16: aligned at
+P = 2, not at P = 4, equally close) nor the rank-state combination (its fp32 result is already within
+1e-5 of float64) moves it. Against a reference whose delta-rule op alone runs in float64 the sharded fp32
+gradients are still up to 1.5e-5 (P = 2) / 8.6e-6 (P = 4) off for the four GDN families: the rest of
+the fp32 model (MoE, attention) is at the same level, so 1e-5 between two fp32 runs that sum in different
+orders is not reachable there. Qwen3-Next is therefore also checked at 1e-5 in float64 (dense MLPs:
+transformers' grouped_mm MoE has no float64), where every sharded gradient is within 2e-7.
 """
 
 from __future__ import annotations
@@ -24,8 +30,7 @@ from .sp_worker import spawn
 pytestmark = pytest.mark.slow
 
 _F32 = 1e-5
-_GDN_F32 = 5e-5  # the single-process fp32 reference's own error against float64 (see module doc)
-_NOISY_F32 = 1e-4  # bamba: its single-process fp32 gradients are 7e-5 off float64 (conv1d.weight of layer 0)
+_GDN_F32 = 5e-5  # the single-process fp32 chunked delta rule's own error against float64 (see module doc)
 
 
 _OTHER_FAMILIES = ("falcon_h1", "granitemoehybrid", "zamba2", "jamba", "falcon_mamba", "olmo_hybrid", "kimi_linear",
@@ -53,7 +58,7 @@ def _cases(world: int) -> list[dict]:
             {"id": "nemotron_h-single", "family": "nemotron_h", "layout": "single", "boundaries": "none"},
             {"id": "nemotron_h-ddp", "family": "nemotron_h", "layout": "packed", "boundaries": "position_ids",
              "ddp": True},
-            {"id": "bamba-f32", "family": "bamba", "layout": "packed", "boundaries": "position_ids", "tol": _NOISY_F32},
+            {"id": "bamba-f32", "family": "bamba", "layout": "packed", "boundaries": "position_ids"},
         ]
         for fam in _OTHER_FAMILIES:  # every other supported model type, fp32, P = 2
             cases.append({"id": f"{fam}-position_ids", "family": fam, "layout": "packed",
@@ -115,14 +120,3 @@ def test_different_batches_on_the_ranks_raise(runs):
     for rank, res in enumerate(results):
         msg = res["mismatched-batches"]["raised"]
         assert msg is not None and "same full batch" in msg, (rank, msg)
-
-
-def test_accelerate_recipe(tmp_path):
-    """docs/training.md's accelerate recipe: Accelerator(cpu) + prepare (DDP over the SP ranks) + gradients='ddp'."""
-    from .sp_worker import spawn_accelerate
-
-    for rank, r in enumerate(spawn_accelerate(2, tmp_path)):
-        assert "error" not in r, r.get("error")
-        assert r["wrapper"] == "DistributedDataParallel" and "MULTI_CPU" in r["distributed_type"], r
-        assert r["grads"] >= 10
-        assert r["loss_rel"] <= _F32 and r["grad_max_rel"] <= _F32 and r["param_max_rel"] <= _F32, (rank, r)

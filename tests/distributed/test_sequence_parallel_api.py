@@ -159,3 +159,67 @@ def test_one_rank_equals_unsharded_and_remove_restores(group):
     assert model.config._attn_implementation == impl
     again = model(input_ids=ids, position_ids=pos, labels=labels)  # plain wrapped model again
     torch.testing.assert_close(again.loss, out_ref.loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("both", id="group-and-sp_size"),
+        pytest.param("sp_size", id="sp_size-not-dividing"),
+        pytest.param("prepared", id="after-train"),
+        pytest.param("n_gpu", id="DataParallel"),
+        pytest.param("cp_size", id="ParallelismConfig-cp"),
+    ],
+)
+def test_prepare_trainer_refusals(group, bad):
+    import types
+
+    from safepad.distributed import prepare_trainer
+
+    model = safepad.wrap(tiny_model("mamba2"))
+    trainer = types.SimpleNamespace(model=model, model_wrapped=model, args=types.SimpleNamespace(n_gpu=1),
+                                    accelerator=types.SimpleNamespace(parallelism_config=None))
+    hooks = len(model._forward_pre_hooks)  # safepad.wrap's own
+    kw: dict = {}
+    if bad == "both":
+        kw, match = {"group": group, "sp_size": 1}, "either group= or sp_size="
+    elif bad == "sp_size":
+        kw, match = {"sp_size": 3}, "must divide the world size 1"
+    elif bad == "prepared":
+        trainer.model_wrapped, match = torch.nn.Module(), r"before trainer.train\(\)"
+    elif bad == "n_gpu":
+        trainer.args.n_gpu, match = 2, "one device per process"
+    else:
+        trainer.accelerator.parallelism_config = types.SimpleNamespace(cp_size=2, sp_size=1, tp_size=1)
+        match = "shard the sequence a second time"
+    with pytest.raises(ValueError, match=match):
+        prepare_trainer(trainer, **kw)
+    assert len(model._forward_pre_hooks) == hooks and model.config._attn_implementation != "safepad_sp"
+
+
+@pytest.mark.parametrize("op", ["conv", "ssd", "delta", "selective"])
+def test_sp_ops_validate_like_the_ops(op):
+    """The sequence-parallel ops take the single-device op's own arguments and raise its own errors, before any
+    exchange (no process group needed): a wrong shape, an unknown argument, and a refused initial state."""
+    from safepad.distributed import ops as spo
+
+    x4 = torch.randn(1, 8, 2, 4)
+    calls = {
+        "conv": (spo.sp_causal_conv1d, (torch.randn(1, 8), torch.randn(3, 4)), {},
+                 r"x must have shape \[batch, seqlen, dim\]", torch.zeros(1, 3, 3)),
+        "ssd": (spo.sp_ssd_scan, (x4[..., 0], torch.randn(1, 8, 2), -torch.ones(2), torch.randn(1, 8, 1, 4),
+                                  torch.randn(1, 8, 1, 4)), {}, r"x must have shape \[batch, seqlen, H, P\]",
+                torch.zeros(1, 2, 4, 4)),
+        "delta": (spo.sp_chunk_gated_delta_rule, (x4, x4, x4, torch.randn(1, 8, 2), torch.rand(1, 7, 2)), {},
+                  "beta", torch.zeros(1, 2, 4, 4)),
+        "selective": (spo.sp_selective_scan, (torch.randn(1, 8), torch.randn(1, 8, 4), -torch.ones(4, 3),
+                                              torch.randn(1, 8, 3), torch.randn(1, 8, 3)), {},
+                      "u must be a tensor of shape", torch.zeros(1, 4, 3)),
+    }
+    fn, args, kw, match, state = calls[op]
+    with pytest.raises(ValueError, match=match):
+        fn(*args, sp=object(), **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_sise'"):
+        fn(*args, sp=object(), chunk_sise=4)
+    with pytest.raises(ValueError, match="does not take initial_state"):
+        fn(*args, sp=object(), initial_state=state)

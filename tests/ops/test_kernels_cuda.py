@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from safepad.ops import causal_conv1d, causal_conv1d_step, kernels, ssd_scan, ssd_step
+from safepad.testing.inputs import random_seq_idx
+from safepad.testing.inputs import ssd_inputs as _ssd_inputs
 
 pytestmark = pytest.mark.cuda
 
@@ -26,33 +28,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def varlen_seq_idx(Bsz: int, T: int, seed: int, max_seqs: int = 5) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(Bsz):
-        cuts = torch.randperm(T - 1, generator=g)[: int(torch.randint(0, max_seqs, (1,), generator=g))] + 1
-        row = torch.zeros(T, dtype=torch.int32)
-        for c in cuts.tolist():
-            row[c:] += 1
-        rows.append(row)
-    return torch.stack(rows).to(DEV)
+    return random_seq_idx(Bsz, T, seed, DEV, max_seqs=max_seqs)
 
 
 def ssd_inputs(Bsz, T, H=8, P=64, G=2, N=64, dtype=torch.float32, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-
-    def r(*s, scale=1.0):
-        return (torch.randn(*s, generator=g, device=DEV) * scale).to(dtype)
-
-    return {
-        "x": r(Bsz, T, H, P),
-        "dt": r(Bsz, T, H, scale=0.5) - 2.0,
-        "A": -torch.rand(H, generator=g, device=DEV) * 4 - 0.5,
-        "B": r(Bsz, T, G, N, scale=0.3),
-        "C": r(Bsz, T, G, N, scale=0.3),
-        "D": torch.randn(H, generator=g, device=DEV),
-        "dt_bias": torch.randn(H, generator=g, device=DEV) * 0.3,
-        "initial_state": torch.randn(Bsz, H, P, N, generator=g, device=DEV) * 0.1,
-    }
+    return _ssd_inputs(Bsz, T, DEV, dtype, heads=H, head_dim=P, groups=G, state=N, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
