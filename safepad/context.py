@@ -73,6 +73,9 @@ class CallContext:
     #: the call's 2-D ``attention_mask`` (past + current columns) when it marks pads and the rows are not packed,
     #: for mixers whose model hands them only a 4-D attention mask (RecurrentGemma)
     padding_mask: Tensor | None = None
+    #: ``[B, T]`` bool mask of the current tokens when it is not the attention mask's last ``T`` columns: a
+    #: slot-justified call (``safepad.layout.slots``), whose attention mask describes cache slots
+    token_mask: Tensor | None = None
     #: per-call memo of the mask analysis, so each layer of one call does not redo it (``safepad.mixers``)
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -341,6 +344,14 @@ def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
     except AttributeError:  # pragma: no cover - very old torch
         return False
+
+
+def context_token_mask(shape: tuple[int, int]) -> Tensor | None:
+    """The model call's ``[B, T]`` current-token mask when it overrides the mask a mixer is given, else None."""
+    ctx = current_context()
+    if ctx is not None and ctx.token_mask is not None and ctx.shape == tuple(shape):
+        return ctx.token_mask
+    return None
 
 
 def context_decode_mask(shape: tuple[int, int]) -> Tensor | None:

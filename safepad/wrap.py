@@ -59,6 +59,7 @@ from .context import (
 )
 from .errors import UnsupportedModelError
 from .layout.masks import is_right_padded
+from .layout.slots import SlotJustifiedCall
 from .mixers.common import probe_gated_norm
 from .specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 from .specs.unsupported import unsupported_reason
@@ -85,8 +86,10 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     def forward(self, *args, **kwargs):
         return spec.forward(self, *args, **kwargs)
 
-    if _force_accelerate_hooks is not None and spec.options.get("accelerate_children", ("conv1d",)):
-        forward = _force_accelerate_hooks(list(spec.options.get("accelerate_children", ("conv1d",))))(forward)
+    children = spec.options.get("accelerate_children", ("conv1d",))
+    children = spec.options.get("accelerate_children_by_class", {}).get(orig.__name__, children)
+    if _force_accelerate_hooks is not None and children:
+        forward = _force_accelerate_hooks(list(children))(forward)
 
     def extra_repr(self) -> str:
         base = orig.extra_repr(self)
@@ -236,6 +239,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         for handle in module.__dict__.pop("_safepad_hook_handles", []):
             handle.remove()
         module.__dict__.pop("_safepad_tokens", None)
+        module.__dict__.pop("_safepad_slot_calls", None)
         module.__dict__.pop("_safepad_cache_calls", None)
         if isinstance(module.__dict__.get("generate"), SafepadGenerate):
             del module.__dict__["generate"]
@@ -266,10 +270,15 @@ def _install_model_hooks(model: nn.Module) -> None:
             "params": tuple(params),
             "hybrid": any(s.hybrid for s in specs),
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
+            # attention that measures positions in cache slots (Inkling): cached calls keep each row's real
+            # tokens contiguous at the end of the cache (safepad.layout.slots)
+            "slot_positions": any(s.options.get("slot_positions", False) for s in specs),
+            "slot_log_scaling": any(s.options.get("slot_log_scaling", False) for s in specs),
             # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
             "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
         }
         target._safepad_tokens = []
+        target._safepad_slot_calls = []
         pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
         post = target.register_forward_hook(_post_hook, always_call=True)
         target._safepad_hook_handles = [pre, post]
@@ -310,6 +319,7 @@ class _ModelPreHook:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         info = self.info
         params = info["params"]
+        module._safepad_slot_calls.append(None)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
         outer = current_context()
         if outer is not None:
@@ -330,11 +340,24 @@ class _ModelPreHook:
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, dict):
-            # generate() with a compileable cache (e.g. one without attention layers) hands in per-layer-type
-            # masks; the recurrent layers' entry is the 2-D [B, T] padding mask
-            mask = next((m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 2), None)
+        given = _two_d_mask(kwargs.get("attention_mask"))  # the caller's (a slot-justified call replaces it below)
+        if (
+            isinstance(given, torch.Tensor) and given.dim() == 2 and T > 1
+            and bool((given[:, -1] == 0).any()) and _inside_generate()
+        ):
+            row = int((given[:, -1] == 0).nonzero()[0])
+            raise ValueError(
+                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
+                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
+                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
+                "(tokenizer.padding_side = 'left') for generate()."
+            )
+        token_mask = None
+        if info["slot_positions"]:
+            args, kwargs = _slot_justify(module, info, args, kwargs, B, T)
+            record = module._safepad_slot_calls[-1]
+            token_mask = record.call.token_mask if record is not None and record.call is not None else None
+        mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
         position_ids = kwargs.get("position_ids")
         seq_idx, source = boundaries_from_kwargs(
@@ -345,14 +368,6 @@ class _ModelPreHook:
             position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
             padding_mask=mask if padding else None,
         )
-        if padding and T > 1 and bool((mask[:, -1] == 0).any()) and _inside_generate():
-            row = int((mask[:, -1] == 0).nonzero()[0])
-            raise ValueError(
-                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
-                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
-                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
-                "(tokenizer.padding_side = 'left') for generate()."
-            )
         if source == "none":
             seq_idx, source = _boundaries_of_enclosing_call(module, (B, T), position_ids, mask if padding else None)
         kwargs.pop("seq_idx", None)
@@ -369,7 +384,10 @@ class _ModelPreHook:
             decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token is padding in some rows
         padding_mask = mask if padding and seq_idx is None else None
         token = enter_call(
-            CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask)
+            CallContext(
+                seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask,
+                token_mask=token_mask,
+            )
         )
         module._safepad_tokens.append(token)
         return args, kwargs
@@ -585,6 +603,14 @@ def _boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], pos
     return seq_idx, source
 
 
+def _two_d_mask(mask):
+    """The 2-D ``[B, T]`` padding mask of a call's ``attention_mask``: generate() with a compileable cache (e.g. one
+    without attention layers) hands in per-layer-type masks, whose recurrent layers' entry is the 2-D one."""
+    if isinstance(mask, dict):
+        return next((m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 2), None)
+    return mask
+
+
 def _inside_generate() -> bool:
     """Is this model call made by transformers' ``generate()`` (a ``generate`` frame of ``transformers.generation``
     a few frames up the stack)?"""
@@ -702,7 +728,173 @@ def _post_hook(module: nn.Module, args, output):
         token = tokens.pop()
         if token is not None:
             exit_call(token)
+    slot_calls = module.__dict__.get("_safepad_slot_calls")
+    if slot_calls:
+        record = slot_calls.pop()
+        if record is not None:
+            return _slot_restore(record, output)
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# slot-justified cached calls (families whose attention counts positions in cache slots: Inkling)
+# ----------------------------------------------------------------------------------------------------------
+
+_PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
+#: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
+_PADDED_FLAG = "_safepad_padded_slots"
+
+
+class _SlotRecord:
+    """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
+
+    __slots__ = ("call", "keep", "padded", "shape")
+
+    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool):
+        self.call, self.shape, self.keep, self.padded = call, shape, keep, padded
+
+
+def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
+    if name in kwargs:
+        return kwargs[name]
+    i = params.index(name) if name in params else -1
+    return args[i] if 0 <= i < len(args) else None
+
+
+def _text_config_value(module: nn.Module, name: str, default=None):
+    cfg = getattr(module, "config", None)
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        try:
+            cfg = get_text(decoder=True)
+        except (TypeError, ValueError):
+            pass
+    return getattr(cfg, name, default)
+
+
+def _slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int):
+    """Keep the slot-justified cache layout (``safepad.layout.slots``) for this call; returns ``(args, kwargs)``."""
+    params = info["params"]
+    if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
+        return args, kwargs  # packed rows: the packed policy applies (no cache)
+    cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
+    use_cache = _arg(args, kwargs, params, "use_cache")
+    explicit = cache is not None or use_cache is True
+    wanted = explicit or (use_cache is None and bool(_text_config_value(module, "use_cache", False)))
+    mask = _arg(args, kwargs, params, "attention_mask")
+    past_len = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+    flagged = bool(getattr(cache, _PADDED_FLAG, False))
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
+        if flagged and past_len > 0 and mask is None:
+            raise ValueError(
+                f"{type(module).__name__}: this cache holds padded rows, but the call came without an attention_mask. "
+                "Pass the full-length attention_mask (the cached tokens plus the new ones, as generate() does) so "
+                "that the pads stay masked."
+            )
+        return args, kwargs
+    m = mask.to(torch.bool)
+    if not wanted:
+        if info["slot_log_scaling"]:
+            _check_slot_log_scaling(module, m[:, -T:])
+        return args, kwargs
+    if mask.shape[1] != past_len + T:
+        if flagged or not bool(m.all()):
+            raise ValueError(
+                f"{type(module).__name__}: attention_mask has {mask.shape[1]} columns but the cache holds {past_len} "
+                f"tokens and the call brings {T}: with padding, pass the full-length mask (cached tokens plus new "
+                f"ones, {past_len + T} columns), as generate() does"
+            )
+        return args, kwargs
+    call = SlotJustifiedCall(m, past_len)
+    if info["slot_log_scaling"]:
+        _check_slot_log_scaling(module, call.mask)
+    record = _SlotRecord(None, (B, T), None, not bool(call.mask.all()))
+    module._safepad_slot_calls[-1] = record
+    if call.noop:
+        return args, kwargs
+    named = dict(zip(params, args))  # every argument by name from here on
+    named.update(kwargs)
+    if named.get("labels") is not None:
+        if explicit:
+            raise ValueError(
+                f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens: "
+                "safepad re-lays such rows for the cache, and the loss would be taken over the re-laid row. Compute "
+                "the loss without a cache (use_cache=False), or pad on the left."
+            )
+        if "use_cache" in params or info["var_kwargs"]:
+            named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
+        record.padded = False
+        return (), named
+    for name, value in list(named.items()):
+        if name in ("attention_mask", "labels") or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
+            named[name] = call.reorder(value)
+    named["attention_mask"] = call.mask.to(mask.dtype)
+    if named.get("position_ids") is None and info["accepts_position_ids"]:
+        named["position_ids"] = call.position_ids().to(mask.device)
+    keep = named.get("logits_to_keep")
+    if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
+        named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
+        record.keep = keep
+    call.install(cache)
+    record.call = call
+    return (), named
+
+
+def _check_slot_log_scaling(module: nn.Module, layout: torch.Tensor) -> None:
+    """Inkling's log scaling takes each query's scale from its slot (``tau(slot + 1)``), not its position.
+
+    ``layout`` ``[B, N]`` bool: the slots the call's queries and keys occupy (True = real). Exact unless a real
+    token after a pad sits past the floor (``tau`` is 1 up to it); raise there.
+    """
+    floor = _text_config_value(module, "log_scaling_n_floor")
+    if floor is None or layout.shape[1] <= floor:
+        return
+    slots = torch.arange(layout.shape[1], device=layout.device)[None]  # [1, N]
+    after_pad = (~layout).cumsum(1) > 0  # [B, N]
+    bad = layout & after_pad & (slots + 1 > floor)
+    if bool(bad.any()):
+        row = int(bad.any(1).nonzero()[0])
+        raise ValueError(
+            f"{type(module).__name__}: log-scaled attention (log_scaling_n_floor={floor}) scales each query by its "
+            f"cache slot, and row {row} has real tokens past slot {floor} with pads before them, so its slots run "
+            "ahead of its positions there: those queries would be scaled wrong. Keep padded batches shorter than "
+            "the floor, or run such rows without padding."
+        )
+
+
+def _slot_restore(record: _SlotRecord, output):
+    """Post-hook half of :func:`_slot_justify`: outputs back in the caller's order, the cache marked padded."""
+    call = record.call
+    if call is not None:
+        call.uninstall()
+    if output is None:  # the forward raised
+        return None
+    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
+    if record.padded and cache is not None:
+        setattr(cache, _PADDED_FLAG, True)
+    if call is None or call.order is None:
+        return None
+    B, T = record.shape
+
+    def fix(v, name=""):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
+            v = call.restore(v)
+            if name == "logits" and record.keep is not None:
+                v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
+            return v
+        if isinstance(v, tuple) and name in ("hidden_states",):
+            return tuple(fix(x) for x in v)
+        return v
+
+    if hasattr(output, "keys") and hasattr(output, "__setitem__"):
+        for k in list(output.keys()):
+            output[k] = fix(output[k], k)
+        return output
+    if isinstance(output, tuple):
+        return tuple(fix(v) for v in output)
+    return fix(output)
 
 
 def _packed_mask_mapping(module: nn.Module, seq_idx: torch.Tensor, keys: tuple[str, ...]) -> dict:

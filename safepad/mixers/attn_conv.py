@@ -13,8 +13,10 @@ Each keeps one conv state ``[B, D, K]`` in cache layer ``layer_idx + cache_offse
 (the layer's other states belong to the other convolutions). The stock modules cache the last K columns of the
 padded row (pads included); here the conv runs over compacted rows with ``seq_idx`` and the token mask, and the
 cached state is each row's last K *real* inputs. Everything is computed in float32, as the stock modules do.
-A cached call whose rows are right-padded (or have holes) raises: Inkling's attention measures relative positions
-in cache slots, so decoding after such a prefill would stay wrong in attention even with exact conv states.
+Inkling's attention measures relative positions (and its sliding window) in cache slots: the wrapped model's hook
+keeps every cached row's real tokens contiguous at the end of the cache (:mod:`safepad.layout.slots`), so a cached
+call reaches these convolutions with pads only before real tokens (and their own token mask in the call context).
+A cached call with pads after real tokens that bypassed that hook raises.
 Shapes: ``B`` batch, ``T`` tokens, ``D`` channels, ``H`` key/value heads, ``K`` conv width.
 """
 
@@ -78,9 +80,10 @@ def attention_conv_forward(
     if cache is not None and mask is not None and x.shape[1] > 1 and not _only_left_pads(conv_mask, x.shape[:2]):
         raise ValueError(
             f"{type(self).__name__} (layer {layer}): a padded row whose pads are not all on the left (right padding "
-            "or holes) came with a cache. safepad makes the cached conv states right, but this model's attention "
-            "takes its relative positions from cache slots, so every token decoded after the pads would still be "
-            "wrong. Pad on the left for cached generation (tokenizer.padding_side = 'left'), or call without a cache."
+            "or holes) came with a cache, but not through a wrapped model's forward. This model's attention takes "
+            "its relative positions from cache slots, which safepad keeps right only at the model call (it re-lays "
+            "the cache there). Call the safepad-wrapped model (not its layers), pad on the left, or call without a "
+            "cache."
         )
     if mask is not None:
         x = x * mask[..., None].to(x.dtype)  # pads contribute nothing

@@ -11,7 +11,7 @@ from torch.nn.modules import module as mod
 
 from .._tracing import tracing
 from ..cache import CACHE_NAMES
-from ..context import context_decode_mask, current_context, resolve_seq_idx
+from ..context import context_decode_mask, context_token_mask, current_context, resolve_seq_idx
 from ..distributed.context import SPContext, resolve_sp
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
@@ -84,8 +84,15 @@ def prepare_layout(
     """
     B, T = hidden_states.shape[:2]
     seq_idx = resolve_seq_idx(module, (B, T), kwargs)
-    if attention_mask is None and T == 1:
-        attention_mask = context_decode_mask((B, T))  # transformers drops the mask on one-token steps
+    override = context_token_mask((B, T))  # a slot-justified call: the tokens' own mask, not the slots'
+    if override is not None:
+        attention_mask = override
+    if T == 1:
+        # transformers drops the mask on one-token steps (or, glm5_next, replaces it by ones): the caller's
+        # mask of this step, when it marks some rows' token as padding, comes from the call context
+        step = context_decode_mask((B, T))
+        if step is not None:
+            attention_mask = step
     if tracing():
         mask, compaction, right_padded = _analyse_mask_traced(attention_mask, (B, T))
     else:

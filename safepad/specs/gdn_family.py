@@ -14,7 +14,7 @@ from ..mixers.gated_delta import gated_delta_mixer_forward
 from ..mixers.short_conv import short_conv_mixer_forward
 from .registry import MixerSpec, register
 
-__all__ = ["GDN_FAMILY", "SHORT_CONV_FAMILY"]
+__all__ = ["GDN_FAMILY", "KDA_OPTIONS", "SHORT_CONV_FAMILY"]
 
 
 def _gdn(model_type: str, cls: str, options: dict, description: str) -> MixerSpec:
@@ -39,7 +39,7 @@ _QWEN3_5 = {
 }
 
 #: Kimi Delta Attention (kimi_linear): separate q/k/v, per-key-channel decay module, low-rank gate.
-_KDA = {
+KDA_OPTIONS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "beta": "b_proj",
     "decay": "module",
@@ -82,13 +82,13 @@ GDN_FAMILY = tuple(
         _gdn(
             "kimi_linear",
             "KimiLinearDeltaAttention",
-            _KDA,
+            KDA_OPTIONS,
             "Kimi Delta Attention: per-key-channel decay from forget_gate, low-rank sigmoid output gate",
         ),
         _gdn(
             "bailing_hybrid",
             "BailingHybridDeltaAttention",
-            {**_KDA, "gate": ("g_proj",)},
+            {**KDA_OPTIONS, "gate": ("g_proj",)},
             "Kimi Delta Attention with a one-projection sigmoid output gate and a bounded forget gate",
         ),
     )

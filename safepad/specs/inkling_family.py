@@ -15,14 +15,24 @@ from .registry import MixerSpec, register
 __all__ = ["INKLING_FAMILY"]
 
 
-def _spec(model_type: str, classes: tuple[str, ...], scale, description: str) -> MixerSpec:
+def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, slot_log_scaling: bool = False) -> MixerSpec:
     return MixerSpec(
         model_type=model_type,
         kind="attn_conv",
         mixer_classes=classes,
         forward=attention_conv_forward,
-        # the dynamic class has no conv1d child: no accelerate hook forcing (a dict-free option set)
-        options=MappingProxyType({"residual_scale": scale, "accelerate_children": ()}),
+        options=MappingProxyType(
+            {
+                "residual_scale": scale,
+                # the dynamic class has no conv1d child: no accelerate hook forcing
+                "accelerate_children": (),
+                # relative positions (and sliding windows) counted in cache slots: cached calls keep each row's
+                # real tokens contiguous at the end of the cache (safepad.layout.slots)
+                "slot_positions": True,
+                # Inkling's log scaling reads query slots too (Inkling2's reads position_ids)
+                "slot_log_scaling": slot_log_scaling,
+            }
+        ),
         hybrid=True,
         description=description,
     )
@@ -31,7 +41,10 @@ def _spec(model_type: str, classes: tuple[str, ...], scale, description: str) ->
 INKLING_FAMILY = tuple(
     register(s)
     for s in (
-        _spec("inkling_text", ("InklingShortConvolution",), 1.0, "static short convs (residual, no scale)"),
+        _spec(
+            "inkling_text", ("InklingShortConvolution",), 1.0, "static short convs (residual, no scale)",
+            slot_log_scaling=True,
+        ),
         _spec(
             "inkling2_text",
             ("Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"),

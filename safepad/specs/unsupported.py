@@ -21,11 +21,6 @@ __all__ = ["UNSUPPORTED_FAMILIES", "unsupported_reason"]
 UNSUPPORTED_FAMILIES: Mapping[str, str] = MappingProxyType(
     {
         "minimax": "lightning attention (decayed linear attention, no conv) with its own linear cache; no core yet",
-        "glm5_next": (
-            "its KDA layers are the kimi_linear mixer, but its indexed (DSA) attention ignores packed boundaries and "
-            "pools keys across pads (attention-side; audit: packed 1.7e-2, right-pad decode 1.6e-3 when wrapped)"
-        ),
-        "glm5_next_text": "text model of glm5_next (same indexed attention)",
         "lfm3_vl_vision": (
             "not a causal model: its 'conv' layer type is a 2-D spatial conv over image patches that never "
             "reads or writes a cache (the lfm3_vl language model is supported)"

@@ -256,10 +256,11 @@ NEW_FAMILIES: tuple[str, ...] = (
     "recurrent_gemma",
     "qwen4_exp_text",
     "qwen4_exp",
+    "glm5_next",
 )
 #: Tiny configs of recurrent families safepad does not support (see ``safepad/specs/unsupported.py``), for the
 #: guard's tests: ``tiny_model`` builds them, ``safepad.wrap`` refuses them.
-UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ("glm5_next",)
+UNSUPPORTED_TINY_FAMILIES: tuple[str, ...] = ("minimax",)
 #: the transformers release each family first appears in (families absent from the installed one cannot be built)
 FAMILY_MIN_TRANSFORMERS: dict[str, str] = {"lara_mini": "5.24.0", "inkling2_loop_text": "5.24.0"}
 #: auto class building each family (default ``AutoModelForCausalLM``): VLM wrappers are image-text-to-text models
@@ -417,6 +418,17 @@ _TINY.update(
             "head_dim": 16,
             "num_nextn_predict_layers": 0,
         },
+        "minimax": {
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "block_size": 16,
+        },
         "glm5_next": {
             "text_config": {
                 **_COMMON,
@@ -434,8 +446,10 @@ _TINY.update(
                 "qk_nope_head_dim": 16,
                 "v_head_dim": 16,
                 "index_head_dim": 16,
-                "index_n_heads": 2,
-                "index_topk": 64,
+                "index_n_heads": 16,  # a pool scores exactly 0 (relu of every head) almost never: no ties
+                # pools of 4 keys, 2 selected per query (+ its tail): the top-k selection matters on audit rows
+                "index_topk": 8,
+                "index_kpool": 4,
                 "hc_mult": 2,
             },
             "vision_config": {
@@ -520,8 +534,13 @@ def family_available(family: str) -> tuple[bool, str]:
 
 #: transformers model types (``safepad.supported_model_types()``) whose tiny model is their text model: the
 #: Qwen3.5 checkpoints are VLMs around a ``qwen3_5_text`` / ``qwen3_5_moe_text`` language model. Either name
-#: builds the same tiny model, so every supported model type is a valid ``safepad audit --family``.
-MODEL_TYPE_FAMILIES: dict[str, str] = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+#: builds the same tiny model, so every supported model type is a valid ``safepad audit --family``. The reverse
+#: for GLM-5 Next: ``glm5_next_text`` has no generative head in transformers; the tiny ``glm5_next`` VLM holds it.
+MODEL_TYPE_FAMILIES: dict[str, str] = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "glm5_next_text": "glm5_next",
+}
 
 
 def family_names() -> tuple[str, ...]:

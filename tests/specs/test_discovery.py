@@ -245,9 +245,9 @@ def test_guard_warns_for_each_unsupported_family_under_right_padding_with_a_cach
 
 
 def test_guard_warns_on_a_real_unsupported_tiny_model_and_wrap_says_why():
-    """A full forward of a tiny glm5_next (unsupported: its indexed attention) under the guard."""
-    model = tiny_model("glm5_next")
-    with pytest.raises(UnsupportedModelError, match="glm5_next is a recurrent family safepad does not support"):
+    """A full forward of a tiny minimax (unsupported: lightning attention with its own cache) under the guard."""
+    model = tiny_model("minimax")
+    with pytest.raises(UnsupportedModelError, match="minimax is a recurrent family safepad does not support"):
         safepad.wrap(copy.deepcopy(model))
     with guard(model, mode="warn"), pytest.warns(PaddingWarning, match="padding token"):
         out = model(**_right_padded_call())

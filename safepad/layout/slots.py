@@ -1,0 +1,186 @@
+"""Slot-justified cache layout: each row's real tokens held contiguously at the END of the cache.
+
+Some hybrids' attention measures positions in *cache slots* rather than in ``position_ids``: Inkling's relative
+position bias (``distance = q_slot - k_slot``) and every sliding-window mask and cache (the window is counted in
+slots, and a sliding cache keeps the last ``W - 1`` slots, pads included). After a right-padded prefill (or a
+chunk with pads inside) the pads sit between a row's earlier real tokens and the ones that follow, so every
+later distance is wrong by the number of pads, and a sliding cache may hold pads instead of real keys.
+
+The fix keeps one invariant for every row of a cache: ``[pads ... | real tokens ...]`` (a left-padded layout, as
+stock produces for a left-padded prompt). Then the slot distance between two real tokens is their real distance,
+the next token's slot follows the last real one, and the last ``W - 1`` slots are the last real ones. Each call
+keeps it in three steps (:class:`SlotJustifiedCall`):
+
+1. the current chunk's tokens are reordered per row, pads first (a stable partition: real tokens keep their
+   order), and the outputs are put back afterwards;
+2. the 2-D attention mask becomes the invariant's mask: per row ``total - n_real`` zeros, then ones;
+3. at each attention layer's ``cache.update``, the cached keys / values of a row are moved left by that row's
+   number of new pads (:func:`justify_kv`), so the new pads end up before all of the row's real tokens.
+
+Shapes: ``B`` batch, ``T`` current tokens, ``L`` cached slots, ``S`` slots a layer stores (``L``, or ``W - 1`` for
+a full sliding layer), ``H`` heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+__all__ = ["SlotJustifiedCall", "justified_mask", "justify_kv", "pads_first_order"]
+
+logger = logging.getLogger(__name__)
+
+
+def pads_first_order(mask: Tensor) -> Tensor:
+    """``[B, T]`` long: per row, the pads' indices first, then the real tokens' (each group in order).
+
+    ``x.gather(1, order)`` is the row reordered; ``mask`` ``[B, T]`` bool, True = real token.
+    """
+    return torch.sort(mask.to(torch.int8), dim=1, stable=True).indices  # False (0) before True (1), stable
+
+
+def justified_mask(n_real: Tensor, total: int) -> Tensor:
+    """``[B, total]`` bool: per row ``total - n_real`` pads, then ``n_real`` real slots (``n_real`` ``[B]``)."""
+    return torch.arange(total, device=n_real.device)[None] >= (total - n_real)[:, None]
+
+
+def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -> tuple[Tensor, Tensor]:
+    """Re-lay ``[past ‖ new]`` so each row's pads come before all of its real slots.
+
+    Args:
+        past: ``[B, H, S, D]`` cached keys (or values) of one layer, each row ``[pads | reals]``.
+        new: ``[B, H, T, D]`` this call's keys, each row ``[pads | reals]`` (step 1 above).
+        past_real: ``[B]`` real slots among the ``S`` stored ones (the last ones).
+        new_real: ``[B]`` real tokens among the ``T`` new ones (the last ones).
+
+    Returns:
+        ``(past', new')`` of the same shapes: the stable partition of ``[past ‖ new]`` (pads first, zeroed),
+        split at ``S``. ``past'`` replaces the stored slots, ``new'`` goes through the cache's own update.
+    """
+    B, _, S, _ = past.shape
+    T = new.shape[2]
+    full = torch.cat([past, new], dim=2)  # [B, H, S + T, D]
+    valid = torch.cat([justified_mask(past_real, S), justified_mask(new_real, T)], dim=1)  # [B, S + T]
+    order = pads_first_order(valid)  # [B, S + T]
+    idx = order[:, None, :, None].expand(B, full.shape[1], S + T, full.shape[3])  # [B, H, S + T, D]
+    out = full.gather(2, idx)
+    keep = justified_mask(valid.sum(1), S + T)  # [B, S + T]: real slots after the partition
+    out = out * keep[:, None, :, None].to(out.dtype)  # pad slots hold zeros (masked anyway)
+    return out[:, :, :S], out[:, :, S:]
+
+
+_PLAIN_UPDATE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def _plain_dynamic(layer) -> bool:
+    """Does ``layer.update`` concatenate onto ``layer.keys`` / ``layer.values`` (DynamicLayer semantics)?"""
+    for cls in type(layer).__mro__:
+        if "update" in cls.__dict__:
+            return cls.__name__ in _PLAIN_UPDATE_LAYERS
+    return False
+
+
+class _JustifyingUpdate:
+    """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update."""
+
+    def __init__(self, cache, n_past: Tensor, new_real: Tensor):
+        self.cache = cache
+        self.original = type(cache).update.__get__(cache)
+        self.n_past = n_past  # [B]
+        self.new_real = new_real  # [B]
+
+    def __call__(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.cache.layers[layer_idx]
+        keys = getattr(layer, "keys", None)
+        stored = 0 if keys is None or not getattr(layer, "is_initialized", False) else keys.shape[-2]
+        if stored > 0:
+            if not _plain_dynamic(layer):
+                raise ValueError(
+                    f"safepad: a cached call with padding after real tokens needs each attention layer's cached "
+                    f"keys to be re-laid in place, which {type(layer).__name__} (layer {layer_idx}) does not allow. "
+                    "Use a DynamicCache (the default), or pad on the left."
+                )
+            if keys.shape[0] != self.n_past.shape[0]:
+                raise ValueError(
+                    f"safepad: cache layer {layer_idx} holds {keys.shape[0]} rows but the call has "
+                    f"{self.n_past.shape[0]}"
+                )
+            # stored slots are the last `stored` of the `past_len` cached ones, and real slots are the last ones
+            past_real = self.n_past.clamp(max=stored)
+            layer.keys, key_states = justify_kv(layer.keys, key_states, past_real, self.new_real)
+            layer.values, value_states = justify_kv(layer.values, value_states, past_real, self.new_real)
+        return self.original(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class SlotJustifiedCall:
+    """One model call's re-layout (see the module docstring): reorder inputs, rewrite the mask, re-lay the cache.
+
+    Args:
+        full_mask: ``[B, L + T]`` bool attention mask of the cached slots plus the current tokens.
+        past_len: ``L``, the slots the cache already holds (0 without a cache).
+
+    Attributes:
+        order: ``[B, T]`` long, ``x_new[:, i] = x[:, order[:, i]]``, or None when the chunk needs no reordering.
+        mask: ``[B, L + T]`` bool, the mask of the justified layout (cache slots, for attention).
+        token_mask: ``[B, T]`` bool, the reordered current tokens' mask (for the recurrent layers): not the
+            last ``T`` columns of ``mask`` when cached slots move into the chunk's columns.
+        n_past / n_new: ``[B]`` real tokens among the cached slots / the current tokens.
+    """
+
+    def __init__(self, full_mask: Tensor, past_len: int):
+        B, total = full_mask.shape
+        T = total - past_len
+        self.past_len, self.T = past_len, T
+        cur = full_mask[:, past_len:]  # [B, T]
+        self.n_past = full_mask[:, :past_len].sum(1)  # [B]
+        self.n_new = cur.sum(1)  # [B]
+        self.mask = justified_mask(self.n_past + self.n_new, total)  # [B, L + T]
+        self.token_mask = justified_mask(self.n_new, T)  # [B, T]: the current tokens, reordered
+        self.noop = bool(torch.equal(self.mask, full_mask))
+        already = bool(torch.equal(cur, justified_mask(self.n_new, T)))
+        self.order = None if already else pads_first_order(cur)  # [B, T]
+        self.inverse = None if self.order is None else torch.argsort(self.order, dim=1)  # [B, T]
+        # the cached slots must move when some row gets new pads and holds something already
+        self.relay = past_len > 0 and bool((self.n_new < T).any())
+        self._cache = None
+
+    def reorder(self, x: Tensor) -> Tensor:
+        """``[B, T, ...]`` (or ``[1, T, ...]``, expanded) current-token tensor in the justified order."""
+        if self.order is None:
+            return x
+        if x.shape[0] == 1 and self.order.shape[0] > 1:
+            x = x.expand(self.order.shape[0], *x.shape[1:])
+        idx = self.order.to(x.device).view(*self.order.shape, *([1] * (x.dim() - 2))).expand_as(x)
+        return x.gather(1, idx)
+
+    def restore(self, x: Tensor) -> Tensor:
+        """Inverse of :meth:`reorder` on a ``[B, T, ...]`` output."""
+        if self.inverse is None:
+            return x
+        idx = self.inverse.to(x.device).view(*self.inverse.shape, *([1] * (x.dim() - 2))).expand_as(x)
+        return x.gather(1, idx)
+
+    def position_ids(self) -> Tensor:
+        """``[B, T]`` positions of the justified chunk: real tokens count on from the row's cached ones; pads 1."""
+        cur = justified_mask(self.n_new, self.T)  # [B, T]
+        pos = self.n_past[:, None] + cur.long().cumsum(1) - 1
+        return pos.masked_fill(~cur, 1)
+
+    def install(self, cache) -> None:
+        """Route ``cache.update`` through the re-lay for this call (only when the cached slots must move)."""
+        if not self.relay or cache is None:
+            return
+        if not hasattr(cache, "layers") or not hasattr(type(cache), "update"):
+            raise ValueError(
+                f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
+                f"(DynamicCache), got {type(cache).__name__}"
+            )
+        cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
+        self._cache = cache
+
+    def uninstall(self) -> None:
+        if self._cache is not None:
+            self._cache.__dict__.pop("update", None)
+            self._cache = None

@@ -1,0 +1,67 @@
+"""safepad.layout.slots: the slot-justified cache layout, against per-row Python references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from safepad.layout.slots import SlotJustifiedCall, justified_mask, justify_kv, pads_first_order
+
+
+def _ref_justify(past, new, past_real, new_real):
+    """Per row: the real slots of [past ‖ new] in order, right-aligned, zeros before them."""
+    B, H, S, D = past.shape
+    T = new.shape[2]
+    out = torch.zeros(B, H, S + T, D, dtype=past.dtype)
+    for b in range(B):
+        reals = [past[b, :, j] for j in range(S - int(past_real[b]), S)]
+        reals += [new[b, :, j] for j in range(T - int(new_real[b]), T)]
+        for i, r in enumerate(reversed(reals)):
+            out[b, :, S + T - 1 - i] = r
+    return out[:, :, :S], out[:, :, S:]
+
+
+@pytest.mark.parametrize(
+    ("S", "T", "past_real", "new_real"),
+    [
+        pytest.param(5, 3, [5, 2, 0], [1, 3, 0], id="mixed"),
+        pytest.param(2, 6, [2, 1, 0], [6, 0, 2], id="more-new-pads-than-past"),
+        pytest.param(4, 1, [4, 4, 3], [0, 1, 0], id="decode-step-pad"),
+    ],
+)
+def test_justify_kv_matches_reference(S, T, past_real, new_real):
+    g = torch.Generator().manual_seed(S * 10 + T)
+    past = torch.randn(3, 2, S, 4, generator=g, dtype=torch.float64)
+    new = torch.randn(3, 2, T, 4, generator=g, dtype=torch.float64)
+    pr, nr = torch.tensor(past_real), torch.tensor(new_real)
+    got = justify_kv(past, new, pr, nr)
+    want = _ref_justify(past, new, pr, nr)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_pads_first_order_is_stable():
+    mask = torch.tensor([[True, False, True, False, True], [False, False, True, True, True]])
+    order = pads_first_order(mask)
+    assert order.tolist() == [[1, 3, 0, 2, 4], [0, 1, 2, 3, 4]]
+    assert justified_mask(torch.tensor([2, 0]), 3).tolist() == [[False, True, True], [False, False, False]]
+
+
+def test_call_reorders_and_restores_the_chunk():
+    # cached 3 slots (row 0: 3 real, row 1: 1 real), chunk of 4 with a hole and a trailing pad
+    full = torch.tensor([[1, 1, 1, 1, 0, 1, 0], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    call = SlotJustifiedCall(full, past_len=3)
+    assert not call.noop and call.relay
+    assert call.mask.tolist() == [[False, False, True, True, True, True, True], [False, False, True, True, True, True, True]]
+    assert call.token_mask.tolist() == [[False, False, True, True], [True, True, True, True]]
+    x = torch.arange(8.0).view(2, 4, 1)
+    y = call.reorder(x)
+    assert y[0, :, 0].tolist() == [1.0, 3.0, 0.0, 2.0]  # pads (columns 1, 3) first, real tokens in order
+    assert torch.equal(call.restore(y), x)
+    assert call.position_ids().tolist() == [[1, 1, 3, 4], [1, 2, 3, 4]]
+
+
+def test_call_on_a_justified_layout_is_a_noop():
+    full = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-padded past + real step
+    call = SlotJustifiedCall(full, past_len=4)
+    assert call.noop and not call.relay and call.order is None
