@@ -644,7 +644,7 @@ def tiny_model(
             model = auto.from_config(config)
         finally:
             devnull.setLevel(level)
-    if strengthen:
+    if strengthen and family not in UNSUPPORTED_TINY_FAMILIES:  # (minimax has no conv to find its mixers by)
         strengthen_mixers(model, seed=seed)
         _strengthen_inkling(model, seed)
     return model.to(dtype).eval()
