@@ -8,12 +8,12 @@ set (the attention builds a set mask from it). The indexer's weights are redrawn
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 
 import pytest
 import torch
 
+from safepad.cache import cache_argument
 from safepad.testing.tiny import family_available, tiny_model
 from safepad.wrap import wrap
 
@@ -43,7 +43,7 @@ def indexers():
 
 def _no_cache(module) -> dict:
     """The indexer's cache argument set to None, under this transformers version's name."""
-    return {"cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values": None}
+    return {cache_argument(module): None}
 
 
 def _selection(idx: torch.Tensor, n: int) -> torch.Tensor:

@@ -11,12 +11,12 @@ than the rows and a stronger relative-position bias than the audit's, so slot er
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 
 import pytest
 import torch
 
+from safepad.cache import cache_argument
 from safepad.testing.tiny import family_available, tiny_model
 from safepad.wrap import wrap
 
@@ -57,7 +57,7 @@ def models(request):
 
 
 def _cache_name(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return cache_argument(model)
 
 
 def _cache_of(out):

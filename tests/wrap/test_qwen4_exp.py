@@ -8,12 +8,12 @@ not), and its cached ids are each row's last real ids (stock caches EOS for the 
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 
 import pytest
 import torch
 
+from safepad.cache import cache_argument
 from safepad.mixers.ple import ngram_embedding
 from safepad.testing.tiny import family_available, tiny_model
 from safepad.wrap import wrap
@@ -35,8 +35,7 @@ def models():
 
 
 def _cache_kw(model, cache) -> dict:
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return {cache_argument(model): cache}
 
 
 def _ids(n: int, seed: int, eos_at: tuple[int, ...] = ()) -> torch.Tensor:

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from safepad.cache import cache_argument
 from safepad.testing.scenarios import module_states
 from safepad.testing.tiny import tiny_model
 from safepad.wrap import wrap
@@ -36,10 +37,7 @@ def _fresh_cache(model):
 
 
 def _cache_kw(model, cache) -> dict:
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return {cache_argument(model): cache}
 
 
 @torch.no_grad()
