@@ -83,8 +83,10 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     if key in _CLASS_CACHE:
         return _CLASS_CACHE[key]
 
+    generic = spec.forward_for(orig.__name__)  # chosen once per class, not on every call
+
     def forward(self, *args, **kwargs):
-        return spec.forward(self, *args, **kwargs)
+        return generic(self, *args, **kwargs)
 
     children = spec.options.get("accelerate_children", ("conv1d",))
     children = spec.options.get("accelerate_children_by_class", {}).get(orig.__name__, children)

@@ -22,20 +22,14 @@ __all__ = ["GLM5_FAMILY"]
 _INDEXER = "Glm5NextTextIndexer"
 
 
-def _forward(self, *args, **kwargs):
-    """KDA layers through the gated-delta forward, the indexer through the DSA-indexer forward."""
-    if type(self)._safepad_original_class.__name__ == _INDEXER:
-        return dsa_indexer_forward(self, *args, **kwargs)
-    return gated_delta_mixer_forward(self, *args, **kwargs)
-
-
 GLM5_FAMILY = (
     register(
         MixerSpec(
             model_type="glm5_next_text",
             kind="gated_delta+dsa_indexer",
             mixer_classes=("Glm5NextTextLinearAttention", _INDEXER),
-            forward=_forward,
+            forward=gated_delta_mixer_forward,
+            forward_by_class=MappingProxyType({_INDEXER: dsa_indexer_forward}),
             options=MappingProxyType({**KDA_OPTIONS, "accelerate_children_by_class": {_INDEXER: ()}}),
             hybrid=True,
             description="Kimi Delta Attention layers; k-pool DSA indexer pooling real keys per sequence",

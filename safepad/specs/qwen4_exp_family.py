@@ -2,7 +2,7 @@
 (:func:`safepad.mixers.gated_delta.gated_delta_mixer_forward`), and its Per-Layer Embedding layers keep a dilated
 conv state and an n-gram token-id state in the same recurrent cache entry (:func:`safepad.mixers.ple.ple_forward`).
 
-One model type, two mixer classes: the spec's forward dispatches on the patched module's class. The QSA indexer of
+One model type, two mixer classes: the PLE layers get their own forward (``forward_by_class``). The QSA indexer of
 its attention layers reads the 4-D attention mask (block-diagonal for packed rows, pads masked), so it needs
 nothing from safepad beyond the restarting ``position_ids`` every hybrid gets.
 """
@@ -21,13 +21,6 @@ __all__ = ["QWEN4_EXP_FAMILY"]
 _PLE_CLASS = "Qwen4ExpTextPLELayer"
 
 
-def qwen4_exp_forward(self, *args, **kwargs):
-    """``ple_forward`` for the PLE layers, ``gated_delta_mixer_forward`` for the Gated DeltaNets."""
-    if type(self)._safepad_original_class.__name__ == _PLE_CLASS:
-        return ple_forward(self, *args, **kwargs)
-    return gated_delta_mixer_forward(self, *args, **kwargs)
-
-
 QWEN4_EXP_FAMILY = (
     register(
         MixerSpec(
@@ -35,7 +28,8 @@ QWEN4_EXP_FAMILY = (
             kind="gated_delta",
             mixer_classes=("Qwen4ExpTextGatedDeltaNet", _PLE_CLASS),
             inner_classes=("Qwen4ExpTextNGramEmbedding",),  # the PLE forward computes its n-grams itself
-            forward=qwen4_exp_forward,
+            forward=gated_delta_mixer_forward,
+            forward_by_class=MappingProxyType({_PLE_CLASS: ple_forward}),
             options=MappingProxyType(_QWEN3_5),
             hybrid=True,
             description="Qwen3.5 Gated DeltaNet + PLE (dilated conv, n-gram ids restarting at EOS and packed boundaries)",

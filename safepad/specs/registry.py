@@ -28,6 +28,8 @@ class MixerSpec:
         mixer_classes: class names of the modules to patch (matched anywhere in the tree, so a VLM whose
             language model is of this family is covered).
         forward: the generic forward, called as ``forward(module, *args, **kwargs)``.
+        forward_by_class: for a family with several kinds of stateful module (a mixer and an indexer, ...):
+            the forward of each mixer class that is not served by ``forward``, keyed by class name.
         options: family differences the generic forward reads (multipliers, gate variant, ...).
         hybrid: whether the family interleaves attention layers (they need packed ``position_ids``).
         packed_attention_mask: for hybrids whose mask construction ignores ``position_ids`` (GraniteMoeHybrid):
@@ -45,6 +47,11 @@ class MixerSpec:
     packed_attention_mask: tuple[str, ...] = ()
     description: str = ""
     inner_classes: tuple[str, ...] = ()
+    forward_by_class: Mapping[str, Callable[..., Any]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def forward_for(self, class_name: str) -> Callable[..., Any]:
+        """The generic forward that serves mixer class ``class_name``."""
+        return self.forward_by_class.get(class_name, self.forward)
 
 
 _BY_MODEL_TYPE: dict[str, MixerSpec] = {}
@@ -57,6 +64,9 @@ def register(spec: MixerSpec) -> MixerSpec:
     """Add a family spec. Class names must be unique across families."""
     if spec.model_type in _BY_MODEL_TYPE:
         raise ValueError(f"a spec for model_type {spec.model_type!r} is already registered")
+    stray = sorted(set(spec.forward_by_class) - set(spec.mixer_classes))
+    if stray:
+        raise ValueError(f"{spec.model_type}: forward_by_class names classes that are not mixer_classes: {stray}")
     for name in (*spec.mixer_classes, *spec.inner_classes):
         if name in _COVERED:
             raise ValueError(f"mixer class {name!r} is already claimed by {_COVERED[name].model_type!r}")
