@@ -12,11 +12,12 @@
 
 Each rank holds a contiguous shard of every (packed) row. Conv layers get the ``K - 1``-token halo from
 the previous rank; recurrent layers get their incoming state from the ranks before them (an affine scan
-over ranks of each shard's final state and transition, :mod:`safepad.distributed.ops`); attention layers
-all-gather K/V (:mod:`safepad.distributed.attention`). All exchanges are differentiable.
+over ranks of each shard's final state and transition, :mod:`safepad.parallel.ops`); attention layers
+all-gather K/V (:mod:`safepad.parallel.attention`). All exchanges are differentiable.
 
-Submodules load lazily, so ``safepad.mixers`` can consult :mod:`safepad.distributed.context` without
-importing the entry point.
+This package is the model and Trainer integration (it sits above ``safepad.wrap``); what the mixers read per
+shard (the SP context, the sequence-parallel ops, the attention function) lives below them in
+:mod:`safepad.parallel`. Submodules load lazily.
 """
 
 from __future__ import annotations
@@ -46,5 +47,7 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = _LAZY[name]
+        package = "safepad.parallel" if module == "context" else __name__
+        return getattr(importlib.import_module(f".{module}", package), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

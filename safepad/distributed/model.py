@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from ..cache import CACHE_NAMES
 from ..context import boundaries_from_kwargs, position_ids_from_seq_idx
 from ..wrap import is_wrapped, wrapped_modules
-from . import attention as _attention
-from .collectives import all_gather_stack, sum_replicated
-from .context import SPContext, current_sp, reset_sp, set_sp
+from ..parallel import attention as _attention
+from ..parallel.collectives import all_gather_stack, sum_replicated
+from ..parallel.context import SPContext, current_sp, reset_sp, set_sp
 
 logger = logging.getLogger(__name__)
 

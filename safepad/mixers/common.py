@@ -12,7 +12,7 @@ from torch.nn.modules import module as mod
 from .._tracing import tracing
 from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, context_token_mask, current_context, resolve_seq_idx
-from ..distributed.context import SPContext, resolve_sp
+from ..parallel.context import SPContext, resolve_sp
 from ..layout.masks import Compaction, is_right_padded, normalize_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.norm import gated_rms_norm
@@ -125,7 +125,7 @@ def layout_op(layout: Layout, fn):
     """``fn`` (a torch-core op), or its sequence-parallel version when ``layout`` is one rank's shard."""
     if layout.sp is None:
         return fn
-    from ..distributed.ops import sp_op
+    from ..parallel.ops import sp_op
 
     return sp_op(fn, layout.sp)
 

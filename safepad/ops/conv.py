@@ -418,7 +418,7 @@ def check_causal_conv1d_args(
     backend: str,
 ) -> ConvArgs:
     """Validate :func:`causal_conv1d`'s arguments (shapes ``[B, T, D]`` etc., see there); raise ``ValueError``
-    naming the first bad one. Shared with the sequence-parallel conv (``safepad.distributed.ops``)."""
+    naming the first bad one. Shared with the sequence-parallel conv (``safepad.parallel.ops``)."""
     if not isinstance(x, Tensor) or x.dim() != 3:
         raise ValueError(f"x must have shape [batch, seqlen, dim], got {getattr(x, 'shape', type(x).__name__)}")
     Bsz, T, D = x.shape

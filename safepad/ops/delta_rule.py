@@ -167,7 +167,7 @@ def check_delta_rule_args(
     token_mask: Tensor | None,
 ) -> DeltaRuleArgs:
     """Validate :func:`chunk_gated_delta_rule`'s arguments (shapes ``[B, T, H, D]`` etc., see there); raise
-    ``ValueError`` naming the first bad one. Shared with the sequence-parallel op (``safepad.distributed.ops``)."""
+    ``ValueError`` naming the first bad one. Shared with the sequence-parallel op (``safepad.parallel.ops``)."""
     hk, dk, h, dv, per_channel = _check_qkv_gates(q, k, v, g, beta, ("B", "T"))
     b, t = q.shape[:2]
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

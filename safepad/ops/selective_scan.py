@@ -298,7 +298,7 @@ def check_selective_scan_args(
     backend: str,
 ) -> SelectiveScanArgs:
     """Validate :func:`selective_scan`'s arguments (shapes ``[B, T, Dm]`` etc., see there); raise ``ValueError``
-    naming the first bad one. Shared with the sequence-parallel scan (``safepad.distributed.ops``)."""
+    naming the first bad one. Shared with the sequence-parallel scan (``safepad.parallel.ops``)."""
     _check_backend(backend)
     if not isinstance(u, Tensor) or u.dim() != 3:
         raise ValueError(f"u must be a tensor of shape [B, T, Dm], got {getattr(u, 'shape', type(u).__name__)}")

@@ -660,7 +660,7 @@ def check_ssd_scan_args(
     backend: str,
 ) -> SSDArgs:
     """Validate :func:`ssd_scan`'s arguments (shapes ``[B, T, H, P]`` etc., see there); raise ``ValueError``
-    naming the first bad one. Shared with the sequence-parallel scan (``safepad.distributed.ops``)."""
+    naming the first bad one. Shared with the sequence-parallel scan (``safepad.parallel.ops``)."""
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x must have shape [batch, seqlen, H, P], got {_shape(x)}")
     Bsz, T, H, P = x.shape

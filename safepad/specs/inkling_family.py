@@ -9,13 +9,42 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import torch
+from torch import nn
+
+from .._config import text_config_value
+
 from ..mixers.attn_conv import attention_conv_forward
 from .registry import MixerSpec, register
 
-__all__ = ["INKLING_FAMILY"]
+__all__ = ["INKLING_FAMILY", "check_slot_log_scaling"]
+
+
+def check_slot_log_scaling(module: nn.Module, layout: torch.Tensor) -> None:
+    """Inkling's log scaling takes each query's scale from its slot (``tau(slot + 1)``), not its position.
+
+    ``layout`` ``[B, N]`` bool: the slots the call's queries and keys occupy (True = real). Exact unless a real
+    token after a pad sits past the floor (``tau`` is 1 up to it); raise there.
+    """
+    floor = text_config_value(module, "log_scaling_n_floor")
+    if floor is None or layout.shape[1] <= floor:
+        return
+    slots = torch.arange(layout.shape[1], device=layout.device)[None]  # [1, N]
+    after_pad = (~layout).cumsum(1) > 0  # [B, N]
+    bad = layout & after_pad & (slots + 1 > floor)
+    if bool(bad.any()):
+        row = int(bad.any(1).nonzero()[0])
+        raise ValueError(
+            f"{type(module).__name__}: log-scaled attention (log_scaling_n_floor={floor}) scales each query by its "
+            f"cache slot, and row {row} has real tokens past slot {floor} with pads before them, so its slots run "
+            "ahead of its positions there: those queries would be scaled wrong. Keep padded batches shorter than "
+            "the floor, or run such rows without padding."
+        )
 
 
 def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, slot_log_scaling: bool = False) -> MixerSpec:
+    # Inkling's log scaling reads query slots too (Inkling2's reads position_ids): refuse the layouts it cannot serve
+    slot_check = {"slot_check": check_slot_log_scaling} if slot_log_scaling else {}
     return MixerSpec(
         model_type=model_type,
         kind="attn_conv",
@@ -29,8 +58,7 @@ def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, sl
                 # relative positions (and sliding windows) counted in cache slots: cached calls keep each row's
                 # real tokens contiguous at the end of the cache (safepad.layout.slots)
                 "slot_positions": True,
-                # Inkling's log scaling reads query slots too (Inkling2's reads position_ids)
-                "slot_log_scaling": slot_log_scaling,
+                **slot_check,
             }
         ),
         hybrid=True,

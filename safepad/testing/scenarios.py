@@ -344,7 +344,7 @@ def module_states(model: nn.Module) -> dict[str, Tensor]:
     ``rg_lru.recurrent_states``), as the family spec's ``options["module_states"]`` names them, keyed like
     :func:`cache_states` (``"layer{i}.conv"`` / ``"layer{i}.recurrent"``, ``i`` the decoder layer of the module)."""
     from ..specs.registry import spec_for_module
-    from ..wrap import _layer_index
+    from ..wrap.patching import layer_index as _layer_index
 
     out: dict[str, Tensor] = {}
     for name, module in model.named_modules():

@@ -77,7 +77,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     recomputed = []
     if case.get("checkpointing"):
         import safepad.mixers.common as common
-        from safepad.distributed.context import _in_backward
+        from safepad.parallel.context import _in_backward
 
         orig = common.resolve_sp
 

@@ -50,7 +50,7 @@ def test_unsupported_mixer_kind_raises(group):
 
 
 def test_op_without_exchange_raises():
-    from safepad.distributed.ops import sp_op
+    from safepad.parallel.ops import sp_op
     from safepad.ops.conv import causal_conv1d_step
 
     with pytest.raises(ValueError, match="no rank exchange"):

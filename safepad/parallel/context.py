@@ -3,7 +3,7 @@
 :class:`SPContext` is built once per model call by the entry point (:mod:`safepad.distributed.model`) and
 put in a :class:`contextvars.ContextVar` for the duration of the call. The generic mixers consult it
 through :func:`resolve_sp` (a narrow hook in ``safepad.mixers.common``) and dispatch their conv and scan
-ops to the sequence-parallel versions in :mod:`safepad.distributed.ops`; the attention function reads it
+ops to the sequence-parallel versions in :mod:`safepad.parallel.ops`; the attention function reads it
 too. Gradient checkpointing re-runs forwards during backward, after the call returned: each module keeps
 the context of its last forward and re-uses it only while autograd runs a backward pass.
 

@@ -1,0 +1,141 @@
+"""Slot-justified cached calls, for families whose attention counts positions in cache slots (``slot_positions``).
+
+The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding is
+re-laid so every cached row stays ``[pads | real tokens]`` (:class:`~safepad.layout.slots.SlotJustifiedCall`),
+and the post-hook puts the outputs back in the caller's order. A spec may add a ``slot_check(module, layout)``
+option that refuses layouts its attention cannot serve (Inkling's log scaling: ``safepad.specs.inkling_family``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._config import text_config_value
+from ..cache import CACHE_NAMES
+from ..layout.slots import SlotJustifiedCall
+
+__all__ = ["SlotRecord", "slot_justify", "slot_restore"]
+
+_PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
+#: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
+_PADDED_FLAG = "_safepad_padded_slots"
+
+
+class SlotRecord:
+    """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
+
+    __slots__ = ("call", "keep", "padded", "shape")
+
+    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool):
+        self.call, self.shape, self.keep, self.padded = call, shape, keep, padded
+
+
+def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
+    if name in kwargs:
+        return kwargs[name]
+    i = params.index(name) if name in params else -1
+    return args[i] if 0 <= i < len(args) else None
+
+
+def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int):
+    """Keep the slot-justified cache layout (``safepad.layout.slots``) for this call; returns ``(args, kwargs)``."""
+    params = info["params"]
+    if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
+        return args, kwargs  # packed rows: the packed policy applies (no cache)
+    cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
+    use_cache = _arg(args, kwargs, params, "use_cache")
+    explicit = cache is not None or use_cache is True
+    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
+    mask = _arg(args, kwargs, params, "attention_mask")
+    past_len = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+    flagged = bool(getattr(cache, _PADDED_FLAG, False))
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
+        if flagged and past_len > 0 and mask is None:
+            raise ValueError(
+                f"{type(module).__name__}: this cache holds padded rows, but the call came without an attention_mask. "
+                "Pass the full-length attention_mask (the cached tokens plus the new ones, as generate() does) so "
+                "that the pads stay masked."
+            )
+        return args, kwargs
+    m = mask.to(torch.bool)
+    if not wanted:
+        for check in info["slot_checks"]:
+            check(module, m[:, -T:])
+        return args, kwargs
+    if mask.shape[1] != past_len + T:
+        if flagged or not bool(m.all()):
+            raise ValueError(
+                f"{type(module).__name__}: attention_mask has {mask.shape[1]} columns but the cache holds {past_len} "
+                f"tokens and the call brings {T}: with padding, pass the full-length mask (cached tokens plus new "
+                f"ones, {past_len + T} columns), as generate() does"
+            )
+        return args, kwargs
+    call = SlotJustifiedCall(m, past_len)
+    for check in info["slot_checks"]:
+        check(module, call.mask)
+    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()))
+    module._safepad_slot_calls[-1] = record
+    if call.noop:
+        return args, kwargs
+    named = dict(zip(params, args))  # every argument by name from here on
+    named.update(kwargs)
+    if named.get("labels") is not None:
+        if explicit:
+            raise ValueError(
+                f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens: "
+                "safepad re-lays such rows for the cache, and the loss would be taken over the re-laid row. Compute "
+                "the loss without a cache (use_cache=False), or pad on the left."
+            )
+        if "use_cache" in params or info["var_kwargs"]:
+            named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
+        record.padded = False
+        return (), named
+    for name, value in list(named.items()):
+        if name in ("attention_mask", "labels") or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
+            named[name] = call.reorder(value)
+    named["attention_mask"] = call.mask.to(mask.dtype)
+    if named.get("position_ids") is None and info["accepts_position_ids"]:
+        named["position_ids"] = call.position_ids().to(mask.device)
+    keep = named.get("logits_to_keep")
+    if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
+        named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
+        record.keep = keep
+    call.install(cache)
+    record.call = call
+    return (), named
+
+
+def slot_restore(record: SlotRecord, output):
+    """Post-hook half of :func:`_slot_justify`: outputs back in the caller's order, the cache marked padded."""
+    call = record.call
+    if call is not None:
+        call.uninstall()
+    if output is None:  # the forward raised
+        return None
+    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
+    if record.padded and cache is not None:
+        setattr(cache, _PADDED_FLAG, True)
+    if call is None or call.order is None:
+        return None
+    B, T = record.shape
+
+    def fix(v, name=""):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
+            v = call.restore(v)
+            if name == "logits" and record.keep is not None:
+                v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
+            return v
+        if isinstance(v, tuple) and name in ("hidden_states",):
+            return tuple(fix(x) for x in v)
+        return v
+
+    if hasattr(output, "keys") and hasattr(output, "__setitem__"):
+        for k in list(output.keys()):
+            output[k] = fix(output[k], k)
+        return output
+    if isinstance(output, tuple):
+        return tuple(fix(v) for v in output)
+    return fix(output)
