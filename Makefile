@@ -4,8 +4,13 @@
 #   .venv         newest end: constraints/newest.txt (transformers 5.24.0), what `pip install safepad` gives
 #                 today; `make demo` and `make bench` use it
 #   .venv-oldest  oldest supported pins: constraints/tested.txt (transformers 5.23.0)
-# `make test` = test-newest + test-oldest + test-kernels, one after the other (each venv: ~70 s set-up once;
-# the kernel venv builds mamba-ssm / causal-conv1d from source, a few minutes).
+#   .venv-floor   every dependency floor of pyproject.toml: constraints/floor.txt (a subset of the suite)
+#   .venv-torch-newest  the newest torch pyproject allows (2.15.0, a ~3 GB CUDA build from the registry that
+#                 runs on CPU): constraints/torch-newest.txt + newest.txt (a subset of the suite)
+#   test-wheel    builds the wheel, installs it into a fresh venv (not editable) and runs `safepad audit`
+#                 from outside the repository
+# `make test` runs every tier in TEST_TARGETS, one after the other (each venv: ~70 s set-up once; the kernel
+# venv builds mamba-ssm / causal-conv1d from source, a few minutes; the torch-newest venv downloads ~3 GB).
 #
 # The CPU build of torch is installed before the package so that pip never pulls
 # a multi-GB CUDA build.  Override it for your own machine, e.g.
@@ -21,11 +26,13 @@ PYTEST_ARGS ?=
 BIN         := $(VENV)/bin
 BIN_OLDEST  := $(VENV_OLDEST)/bin
 # the targets `make test` runs: the suite at both ends, then the kernel-route tier
-TEST_TARGETS ?= test-newest test-oldest test-kernels
+TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel
+# the subset the floor and newest-torch tiers run: ops, wrap, collators, the Trainer callback, compile
+SUBSET_TESTS ?= tests/ops tests/wrap tests/collators tests/trainer_ext tests/test_compile.py tests/test_compat.py
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-kernels demo bench clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench clean
 
 # $(1): venv directory, $(2): constraints file
 define make_venv
@@ -77,6 +84,43 @@ test-oldest: setup-oldest
 	@echo "== test suite, oldest end: $$($(BIN_OLDEST)/python -c 'import transformers; print("transformers", transformers.__version__)')"
 	$(BIN_OLDEST)/python -m pytest -n 2 -q $(PYTEST_ARGS) tests
 
+# The floor tier: the oldest version of every runtime dependency pyproject.toml allows (no dev extras: trl and
+# peft are test-only, their floors are the other tiers' versions).
+FVENV ?= .venv-floor
+$(FVENV)/.installed: pyproject.toml constraints/floor.txt
+	$(PYTHON) -m venv $(FVENV)
+	$(FVENV)/bin/pip install -q $$(grep -E '^torch==' constraints/floor.txt)
+	$(FVENV)/bin/pip install -q -e . pytest pytest-xdist hypothesis -c constraints/floor.txt
+	@touch $@
+
+test-floor: $(FVENV)/.installed
+	@echo "== floor tier: $$($(FVENV)/bin/python -c 'import torch, transformers, accelerate, datasets, numpy; print("torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__, "datasets", datasets.__version__, "numpy", numpy.__version__)')"
+	$(FVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(SUBSET_TESTS)
+
+# The newest torch: PyPI only serves its CUDA build for x86_64 (it runs on CPU). This machine kind's pip config
+# caps torch at 2.14.1 (a constraint file); PIP_CONSTRAINT=/dev/null lifts that cap for this venv only.
+TNVENV ?= .venv-torch-newest
+$(TNVENV)/.installed: pyproject.toml constraints/torch-newest.txt $(NEWEST)
+	$(PYTHON) -m venv $(TNVENV)
+	PIP_CONSTRAINT=/dev/null $(TNVENV)/bin/pip install -q $$(grep -E '^torch==' constraints/torch-newest.txt)
+	PIP_CONSTRAINT=/dev/null $(TNVENV)/bin/pip install -q -e ".[dev]" -c $(NEWEST) -c constraints/torch-newest.txt
+	@touch $@
+
+test-torch-newest: $(TNVENV)/.installed
+	@echo "== newest torch: $$($(TNVENV)/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+	$(TNVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(SUBSET_TESTS)
+
+# The installed wheel: built from this checkout, installed into a fresh venv (not editable), checked for its
+# contents, then imported and audited from a directory outside the repository.
+WHEEL_DIR ?= build/wheel
+test-wheel: setup
+	rm -rf $(WHEEL_DIR) build/wheel-venv
+	$(BIN)/pip wheel -q --no-deps -w $(WHEEL_DIR) .
+	$(PYTHON) -m venv build/wheel-venv
+	build/wheel-venv/bin/pip install -q $(TORCH_SPEC)
+	build/wheel-venv/bin/pip install -q $(WHEEL_DIR)/safepad-*.whl -c $(NEWEST)
+	cd $$(mktemp -d) && $(CURDIR)/build/wheel-venv/bin/python $(CURDIR)/tests/packaging/check_wheel.py $(CURDIR)/$(WHEEL_DIR)
+
 demo: setup
 	$(BIN)/safepad audit
 	$(BIN)/python examples/train_packed.py --max-steps 30
@@ -91,4 +135,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_sequence_parallel.py
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) build .pytest_cache .hypothesis *.egg-info

@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 from transformers import DataCollatorWithFlattening
 
-from collators import DataCollatorForPackedSSM, pack_dataset
+from safepad.collators import DataCollatorForPackedSSM, pack_dataset
 
 MAX_LENGTH = 4096
 

@@ -10,7 +10,8 @@ One import is enough::
 Layers: ``safepad.layout`` (boundaries, masks) -> ``safepad.ops`` (torch core + CUDA kernel dispatch) ->
 ``safepad.specs`` / ``safepad.mixers`` (one generic mixer per kind, a small spec per family) ->
 ``safepad.wrap`` / ``safepad.guard`` -> ``safepad.cli`` (``safepad audit``). The collators and the Trainer
-callback live in the top-level packages ``collators`` and ``trainer_ext`` and are re-exported here.
+callback live in ``safepad.collators`` and ``safepad.trainer_ext`` (the repository folders ``collators/`` and
+``trainer_ext/``) and are re-exported here.
 Public names are imported lazily, so ``import safepad`` stays cheap.
 """
 
@@ -20,14 +21,20 @@ import importlib
 import logging
 from typing import Any
 
-from ._compat import check_transformers_version
+from ._compat import check_torch_version, check_transformers_version
 from .errors import PaddingError, PaddingWarning, UnsupportedModelError
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version (pyproject.toml is the one source)
+    from importlib.metadata import PackageNotFoundError, version as _dist_version
+
+    __version__ = _dist_version("safepad")
+except PackageNotFoundError:  # a checkout on sys.path that was never installed
+    __version__ = "0+unknown"
 
 check_transformers_version()
+check_torch_version()
 
 # ``wrap`` and ``guard`` are both submodules and functions: bind the functions eagerly, here, so that the
 # package attribute is the function whatever imports the submodule later.
@@ -36,11 +43,11 @@ from .wrap import is_wrapped, supported_model_types, unwrap, wrap  # noqa: E402
 
 # The collators and the Trainer callback pull in datasets / the Trainer: import them on first use.
 _LAZY = {
-    "DataCollatorForPackedSSM": "collators",
-    "pack_dataset": "collators",
-    "packing_stats": "collators",
-    "PackingStats": "collators",
-    "PaddingGuardCallback": "trainer_ext",
+    "DataCollatorForPackedSSM": "safepad.collators",
+    "pack_dataset": "safepad.collators",
+    "packing_stats": "safepad.collators",
+    "PackingStats": "safepad.collators",
+    "PaddingGuardCallback": "safepad.trainer_ext",
 }
 
 __all__ = [

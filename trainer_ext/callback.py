@@ -135,7 +135,7 @@ class PaddingGuardCallback(TrainerCallback):
             return
         collate_fn = getattr(dataloader, "collate_fn", None)
         collate = getattr(collate_fn, "data_collator", collate_fn)  # transformers' RemoveColumnsCollator
-        from collators import DataCollatorForPackedSSM
+        from safepad.collators import DataCollatorForPackedSSM
 
         if not isinstance(collate, DataCollatorForPackedSSM):
             return

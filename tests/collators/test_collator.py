@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from collators import DataCollatorForPackedSSM
+from safepad.collators import DataCollatorForPackedSSM
 from safepad.layout.boundaries import (
     cu_seqlens_from_seq_idx,
     seq_idx_from_cu_seqlens,

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from collators import DataCollatorForPackedSSM, pack_dataset
+from safepad.collators import DataCollatorForPackedSSM, pack_dataset
 
 D = datasets.Dataset.from_dict
 

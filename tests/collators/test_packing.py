@@ -9,7 +9,7 @@ import datasets
 import numpy as np
 import pytest
 
-from collators import DataCollatorForPackedSSM, PackingStats, bfd_assign, pack_dataset, packing_stats
+from safepad.collators import DataCollatorForPackedSSM, PackingStats, bfd_assign, pack_dataset, packing_stats
 
 datasets.disable_progress_bars()
 
@@ -101,7 +101,7 @@ def test_pack_dataset_conserves_tokens(strategy, overflow, batch_size, caplog):
     rng = np.random.default_rng(1)
     ds, lengths = _dataset(rng, 2000, 120)
     max_length = 64
-    with caplog.at_level(logging.INFO, logger="collators.packing"):
+    with caplog.at_level(logging.INFO, logger="safepad.collators.packing"):
         packed, stats = pack_dataset(
             ds, max_length, strategy=strategy, overflow=overflow, batch_size=batch_size, return_stats=True
         )

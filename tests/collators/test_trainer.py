@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from collators import DataCollatorForPackedSSM, pack_dataset
+from safepad.collators import DataCollatorForPackedSSM, pack_dataset
 
 datasets.disable_progress_bars()
 

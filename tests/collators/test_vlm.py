@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import safepad
-from collators import DataCollatorForPackedSSM, pack_dataset
+from safepad.collators import DataCollatorForPackedSSM, pack_dataset
 
 IMAGE = 250  # image placeholder id
 PATCH_DIM = 3 * 4 * 4  # C * p * p

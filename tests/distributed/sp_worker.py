@@ -244,7 +244,7 @@ def _run_trainer(
     from transformers import Trainer, TrainingArguments
 
     import safepad
-    from collators import DataCollatorForPackedSSM
+    from safepad.collators import DataCollatorForPackedSSM
     from safepad.testing.tiny import tiny_model
 
     losses: list[float] = []
@@ -319,7 +319,7 @@ def _trainer_control(out: str) -> str | None:
 
     import safepad
     import safepad.distributed as spd
-    from collators import DataCollatorForPackedSSM
+    from safepad.collators import DataCollatorForPackedSSM
     from safepad.testing.tiny import tiny_model
 
     model = safepad.wrap(tiny_model("nemotron_h"))

@@ -18,7 +18,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from safepad.errors import PaddingError, PaddingWarning
 from safepad.guard import KIND_HOLES, KIND_PACKED, KIND_RIGHT_PADDING, get_guard
-from trainer_ext import KIND_TOKENIZER, PaddingGuardCallback
+from safepad.trainer_ext import KIND_TOKENIZER, PaddingGuardCallback
 
 HAS_WRAP = importlib.util.find_spec("safepad.wrap") is not None
 needs_wrap = pytest.mark.skipif(not HAS_WRAP, reason="safepad.wrap is not importable yet (lead's safepad/wrap.py)")
@@ -174,6 +174,7 @@ def test_callback_validates_mode():
 # --------------------------------------------------------------------------------------- TRL padding_free
 def _sft(tmp_path, callback=None, model=None, bf16: bool | None = None):
     from datasets import Dataset
+    pytest.importorskip("trl")
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(
@@ -279,7 +280,7 @@ def test_warns_when_trainer_drops_pack_dataset_boundaries(tmp_path, remove_unuse
 
     import safepad
     from safepad.testing.tiny import tiny_model
-    from trainer_ext import KIND_DROPPED_BOUNDARIES
+    from safepad.trainer_ext import KIND_DROPPED_BOUNDARIES
 
     model = safepad.wrap(tiny_model("mamba2")).train()
     packed = safepad.pack_dataset(Dataset.from_list(make_examples(8)), max_length=32)
@@ -306,7 +307,7 @@ def test_error_mode_raises_when_trainer_drops_pack_dataset_boundaries(tmp_path, 
 
     import safepad
     from safepad.testing.tiny import tiny_model
-    from trainer_ext import KIND_DROPPED_BOUNDARIES
+    from safepad.trainer_ext import KIND_DROPPED_BOUNDARIES
 
     packed = safepad.pack_dataset(Dataset.from_list(make_examples(8)), max_length=32)
 
@@ -359,7 +360,7 @@ def test_error_mode_raises_when_a_stream_loses_its_boundary_columns(tmp_path):
 
     import safepad
     from safepad.testing.tiny import tiny_model
-    from trainer_ext import KIND_DROPPED_BOUNDARIES
+    from safepad.trainer_ext import KIND_DROPPED_BOUNDARIES
 
     stream = safepad.pack_dataset(Dataset.from_list(make_examples(8)).to_iterable_dataset(), max_length=32)
     trainer = Trainer(
