@@ -33,7 +33,7 @@ _F32 = 1e-5
 _GDN_F32 = 5e-5  # the single-process fp32 chunked delta rule's own error against float64 (see module doc)
 
 
-_OTHER_FAMILIES = ("falcon_h1", "granitemoehybrid", "zamba2", "jamba", "falcon_mamba", "olmo_hybrid", "kimi_linear",
+_OTHER_FAMILIES = ("falcon_h1", "granitemoehybrid", "zamba2", "zamba", "jamba", "falcon_mamba", "olmo_hybrid", "kimi_linear",
                    "qwen3_5_text", "lfm2_moe")
 _GDN = ("olmo_hybrid", "kimi_linear", "qwen3_5_text")
 
