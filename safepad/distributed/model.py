@@ -104,6 +104,15 @@ class SequenceParallel:
             raise UnsupportedSequenceParallelError(
                 f"sequence parallelism expresses only full causal attention; this model has {windowed} layers"
             )
+        indexed = sorted(t for t in layer_types if "indexed" in t) or sorted(
+            {type(m).__name__ for m in model.modules() if _attention_like(m) and hasattr(m, "indexer")}
+        )
+        if indexed:
+            raise UnsupportedSequenceParallelError(
+                f"sequence parallelism does not support indexed (top-k selected) attention ({indexed}): its indexer "
+                "selects keys from the whole row, but under sequence parallelism it would see only this rank's "
+                "shard; train this model without sequence parallelism"
+            )
         if getattr(text, "output_router_logits", False):
             raise UnsupportedSequenceParallelError(
                 "output_router_logits=True: the router auxiliary loss is not sharded yet; set "

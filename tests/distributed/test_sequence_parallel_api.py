@@ -57,8 +57,17 @@ def test_op_without_exchange_raises():
         sp_op(causal_conv1d_step, object())
 
 
-@pytest.mark.parametrize("what", ["sliding", "router"])
+@pytest.mark.parametrize(
+    "what",
+    [pytest.param("sliding", id="sliding"), pytest.param("router", id="router"),
+     pytest.param("indexed", id="qwen4_exp_text-indexed-no-ple")],
+)
 def test_unsupported_configs_raise(group, what):
+    if what == "indexed":  # without PLE layers only the indexed attention is left to refuse (it crashed in the call)
+        model = safepad.wrap(tiny_model("qwen4_exp_text", ple_layer_ids=[]))
+        with pytest.raises(UnsupportedSequenceParallelError, match="indexed"):
+            sequence_parallel(model)
+        return
     model = safepad.wrap(tiny_model("qwen3_next"))
     if what == "sliding":
         model.config.layer_types = ["linear_attention", "sliding_attention"]
