@@ -113,7 +113,7 @@ def test_sharded_equals_single_process(runs):
 def test_every_rank_reports_the_same_loss(runs):
     world, cases, results = runs
     for case in cases:
-        if not (case.get("mismatch") or case.get("agreement")):
+        if not (case.get("mismatch") or case.get("agreement") or case.get("autocast")):
             losses = {tuple(res[case["id"]]["losses"]) for res in results}
             assert len(losses) == 1, (case["id"], losses)
 
