@@ -258,6 +258,12 @@ class SequenceParallel:
             ids, name = args.pop(0), "input_ids"
         if not isinstance(ids, Tensor) or ids.dim() < 2:
             raise ValueError("a sequence-parallel call needs input_ids [B, T] or inputs_embeds [B, T, C]")
+        if kwargs.get("fused_lm_head"):
+            raise UnsupportedSequenceParallelError(
+                "fused_lm_head=True (TRL's fused LM head) computes the loss inside the forward from the full rows' "
+                "labels; under sequence parallelism the loss is the SP hook's `loss` over the shards' logits: call "
+                "without fused_lm_head"
+            )
         if self.check_batch:  # first: a rank-specific refusal below must not leave the other ranks waiting
             check_same_call({**kwargs, name: ids}, self.group, self.rank, self.world, ids.device)
         B, Tg = ids.shape[:2]
