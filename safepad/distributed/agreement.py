@@ -8,7 +8,8 @@ its own device and all-gathers the fingerprints ONCE, so a mismatch raises on ev
 waiting in a later collective) and names the arguments that differ.
 
 A fingerprint is, per argument: present, the shape (hashed), the number of elements, and two weighted sums
-in float64 (position weights ``1..n`` and ``cos(0.7548 k)``), so a permutation or a changed value changes it.
+in float64 over its rows (row weights ``1..R`` on the row sums, and cosine weights over rows and columns), so
+a permutation or a changed value changes it; converted to float64 in chunks of rows (bounded memory).
 Equal inputs on equal devices give bit-identical fingerprints (the same reduction on the same values).
 """
 
@@ -38,15 +39,34 @@ def _name_weight(name: str) -> float:
     return 1.0 + zlib.crc32(name.encode()) / 2**32
 
 
+#: float64 elements converted at a time (32 MiB): a [1, 1M, 4096] inputs_embeds is never copied whole
+_CHUNK = 1 << 22
+
+
 def _fingerprint(t: Tensor, device: torch.device) -> Tensor:
-    """``[5]`` float64 fingerprint of ``t`` (any shape and dtype) on ``device``."""
-    x = t.detach().reshape(-1).to(device=device)
-    x = x.to(torch.float64) if not x.is_complex() else torch.view_as_real(x).reshape(-1).to(torch.float64)
-    x = torch.nan_to_num(x, nan=-7.25e300, posinf=3.5e300, neginf=-3.5e300)  # NaN == NaN here
-    k = torch.arange(x.numel(), device=device, dtype=torch.float64)
+    """``[5]`` float64 fingerprint of ``t`` (any shape and dtype) on ``device``.
+
+    ``t`` is read as rows ``[R, C]`` (its last dim; a 1-D tensor as ``[n, 1]``), in chunks of rows converted to
+    float64: ``Σ_r (r + 1) Σ_c x[r, c]`` and ``Σ_r cos(0.5698 r) Σ_c cos(0.7549 c) x[r, c]``.
+    """
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    x = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(-1, 1)  # [R, C]
+    R, C = x.shape
+    w = torch.cos(0.7548776662 * torch.arange(C, device=device, dtype=torch.float64))  # [C]
+    s1 = torch.zeros((), dtype=torch.float64, device=device)
+    s2 = torch.zeros((), dtype=torch.float64, device=device)
+    step = max(1, _CHUNK // max(C, 1))
+    for start in range(0, R, step):
+        c = x[start : start + step].to(device=device, dtype=torch.float64)  # [r, C]
+        c = torch.nan_to_num(c, nan=-7.25e300, posinf=3.5e300, neginf=-3.5e300)  # NaN == NaN here
+        k = torch.arange(start, start + c.shape[0], device=device, dtype=torch.float64)  # [r]
+        s1 = s1 + (c.sum(-1) * (k + 1)).sum()
+        s2 = s2 + ((c @ w) * torch.cos(0.5698402910 * k)).sum()
     shape = float(sum((d + 1) * 1000003.0 ** i for i, d in enumerate(t.shape))) + 7.0 * t.dim()
-    head = torch.tensor([1.0, shape, float(x.numel())], dtype=torch.float64, device=device)
-    return torch.cat([head, torch.stack([(x * (k + 1)).sum(), (x * torch.cos(0.7548776662 * k)).sum()])])
+    head = torch.tensor([1.0, shape, float(t.numel())], dtype=torch.float64, device=device)
+    return torch.cat([head, torch.stack([s1, s2])])
 
 
 def check_same_call(arguments: Mapping[str, object], group, rank: int, world: int, device: torch.device) -> None:
