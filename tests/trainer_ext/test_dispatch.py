@@ -69,3 +69,24 @@ def test_default_dispatcher_with_callback_trains_like_the_workaround(tmp_path):
     assert len(losses) == 3 and all(cu == T for cu, T in seen), seen  # cu_seq_lens reached the model whole
     assert seen == ref_seen
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+
+
+def test_multi_process_dispatcher_with_the_packing_collator_raises():
+    """Over several processes the dispatcher concatenates one packed batch per process and cuts the result, which
+    no slice can undo for cu_seq_lens: refused, naming dispatch_batches=False (the state is faked to 2 processes)."""
+    import types
+
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    from trainer_ext.dispatch import DISPATCH_FIX, adapt_dispatcher
+
+    stream = _packed_stream(256)
+    loader = DataLoaderDispatcher(stream, batch_size=2, collate_fn=DataCollatorForPackedSSM())
+    assert adapt_dispatcher(loader)  # one process: passed on whole
+    batch = next(iter(loader))
+    assert int(batch["cu_seq_lens_q"][-1]) == batch["input_ids"].shape[1] and batch["cu_seq_lens_q"].numel() > 2
+    loader.state = types.SimpleNamespace(num_processes=2)
+    with pytest.raises(ValueError, match=r"over 2 processes") as exc:
+        adapt_dispatcher(loader)
+    assert DISPATCH_FIX in str(exc.value)
+    assert not adapt_dispatcher(torch.utils.data.DataLoader([1, 2]))  # any other loader: untouched
