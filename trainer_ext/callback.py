@@ -19,6 +19,8 @@ from transformers import TrainerCallback
 from safepad.errors import PaddingError, PaddingWarning
 from safepad.guard import GUARD_MODES, GuardHandle, get_guard, guard
 
+from .dispatch import adapt_dispatcher
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["KIND_DROPPED_BOUNDARIES", "KIND_TOKENIZER", "PaddingGuardCallback"]
@@ -103,6 +105,7 @@ class PaddingGuardCallback(TrainerCallback):
             self.handle, self._owns_handle = guard(model, self.mode, collect_stats=self.log_stats), True
             self.handle.installed_by = type(self).__name__
         self._check_boundary_columns(args, model, kwargs.get("train_dataloader"))
+        adapt_dispatcher(kwargs.get("train_dataloader"))  # packed batches survive accelerate's dispatcher
         if self.handle.info is None or self.handle.mode == "fix" or self.handle.is_wrapped():
             return  # nothing to warn about, or the guard wraps the model before any forward that needs it
         tokenizer = processing_class if processing_class is not None else kwargs.get("tokenizer")

@@ -22,6 +22,7 @@ interleave with a DDP wrapper's own all-reduces on the default group.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -36,6 +37,7 @@ from ..wrap import is_wrapped, wrapped_modules
 from ..parallel import attention as _attention
 from ..parallel.collectives import all_gather_stack, sum_replicated
 from ..parallel.context import SPContext, current_sp, reset_sp, set_sp
+from .agreement import check_same_call
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,9 @@ def sequence_parallel(
     """Shard every call of the wrapped ``model`` over the ranks of ``group`` (default: all ranks, in a new group).
 
     ``gradients``: ``"sync"`` (call ``sync_gradients()`` after backward) or ``"ddp"`` (a DDP / FSDP wrapper over
-    the same ranks averages them). ``check_batch``: verify on every call that all ranks got the same batch.
+    the same ranks averages them). ``check_batch``: verify on every call (one all-gather of fingerprints) that all
+    ranks got the same call: every tensor argument (``input_ids`` / ``inputs_embeds``, ``labels``,
+    ``position_ids``, the boundaries, ...).
     Returns the :class:`SequenceParallel` handle (``sync_gradients()``, ``shard()``, ``gather()``,
     ``remove()``). Raises :class:`UnsupportedSequenceParallelError` for models it cannot shard exactly.
     """
@@ -104,6 +108,15 @@ class SequenceParallel:
             raise UnsupportedSequenceParallelError(
                 f"sequence parallelism expresses only full causal attention; this model has {windowed} layers"
             )
+        indexed = sorted(t for t in layer_types if "indexed" in t) or sorted(
+            {type(m).__name__ for m in model.modules() if _attention_like(m) and hasattr(m, "indexer")}
+        )
+        if indexed:
+            raise UnsupportedSequenceParallelError(
+                f"sequence parallelism does not support indexed (top-k selected) attention ({indexed}): its indexer "
+                "selects keys from the whole row, but under sequence parallelism it would see only this rank's "
+                "shard; train this model without sequence parallelism"
+            )
         if getattr(text, "output_router_logits", False):
             raise UnsupportedSequenceParallelError(
                 "output_router_logits=True: the router auxiliary loss is not sharded yet; set "
@@ -137,6 +150,14 @@ class SequenceParallel:
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post, with_kwargs=True, always_call=True),
         ] + [m.register_forward_pre_hook(self._attention_ran) for m in self._attention]
+        # sync_gradients' bookkeeping: a backward since the last sync, and one that added onto summed gradients
+        self._backward_since_sync = False
+        self._onto_synced: set[str] = set()
+        if gradients == "sync":
+            self._handles += [
+                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, name))
+                for name, p in model.named_parameters() if p.requires_grad
+            ]
         logger.info("safepad: sequence parallel over %d ranks (rank %d), kinds %s", self.world, self.rank, kinds)
 
     # ------------------------------------------------------------------------------------------ public helpers
@@ -154,11 +175,42 @@ class SequenceParallel:
         parts = all_gather_stack(t, self.group, self.rank, self.world)  # [W, ...]
         return torch.cat(parts.unbind(0), dim=dim)
 
+    def _accumulated(self, name: str, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: note the backward, and whether it added onto a gradient the last sync summed
+        (the summed tensor, its version one past the sync's write: accumulated in place, not zeroed first)."""
+        self._backward_since_sync = True
+        g = p.grad
+        if g is not None and getattr(g, "_safepad_synced_version", None) == g._version - 1:
+            self._onto_synced.add(name)
+
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Sum every parameter's gradient over the group (missing gradients count as zeros)."""
+        """Sum every parameter's gradient over the group (missing gradients count as zeros).
+
+        Call it ONCE per optimizer step, after the backward of the last micro-batch (gradient accumulation:
+        ``backward()`` on every micro-batch, then one ``sync_gradients()``, then ``step()`` and ``zero_grad()``).
+        Raises ``RuntimeError`` (before any exchange, on every rank) when no backward ran since the last sync (a
+        second sum would multiply the gradients by the group size), or when a backward added onto the gradients
+        the last sync had already summed (a sync after every micro-batch, without ``zero_grad()`` in between).
+        """
         if self.gradients == "ddp":
             raise ValueError("gradients='ddp': the DDP / FSDP wrapper already combines the gradients; do not sync again")
+        if not self._backward_since_sync:
+            raise RuntimeError(
+                "sync_gradients() called without a backward since the last sync: the gradients are already summed "
+                f"over the {self.world} ranks, a second sum would multiply them by {self.world}. Call it once per "
+                "optimizer step, after the last micro-batch's backward"
+            )
+        if self._onto_synced:
+            first = sorted(self._onto_synced)[0]
+            self._onto_synced = set()
+            self._backward_since_sync = False
+            raise RuntimeError(
+                f"gradients (e.g. {first!r}) were accumulated onto gradients that an earlier sync_gradients() had "
+                "already summed over the group, so this sum would count the earlier micro-batches "
+                f"{self.world} times. With gradient accumulation, call sync_gradients() once, after the LAST "
+                "micro-batch's backward (or zero_grad() after each sync)"
+            )
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in self.model.parameters():
             if p.requires_grad:
@@ -174,7 +226,9 @@ class SequenceParallel:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
+                p.grad._safepad_synced_version = p.grad._version  # see _accumulated
                 i += n
+        self._backward_since_sync = False
 
     def remove(self) -> None:
         """Remove the hooks and restore every config's attention implementation."""
@@ -204,6 +258,14 @@ class SequenceParallel:
             ids, name = args.pop(0), "input_ids"
         if not isinstance(ids, Tensor) or ids.dim() < 2:
             raise ValueError("a sequence-parallel call needs input_ids [B, T] or inputs_embeds [B, T, C]")
+        if kwargs.get("fused_lm_head"):
+            raise UnsupportedSequenceParallelError(
+                "fused_lm_head=True (TRL's fused LM head) computes the loss inside the forward from the full rows' "
+                "labels; under sequence parallelism the loss is the SP hook's `loss` over the shards' logits: call "
+                "without fused_lm_head"
+            )
+        if self.check_batch:  # first: a rank-specific refusal below must not leave the other ranks waiting
+            check_same_call({**kwargs, name: ids}, self.group, self.rank, self.world, ids.device)
         B, Tg = ids.shape[:2]
         W, r = self.world, self.rank
         if Tg % W:
@@ -222,8 +284,6 @@ class SequenceParallel:
             raise ValueError("sequence parallelism is for training calls: call with use_cache=False and no cache")
         if self._accepts("use_cache"):
             kwargs["use_cache"] = False
-        if self.check_batch and name == "input_ids":
-            self._check_same_batch(ids)
         position_ids = kwargs.get("position_ids")
         if isinstance(position_ids, Tensor) and tuple(position_ids.shape[-2:]) != (B, Tg):
             raise ValueError(
@@ -311,16 +371,3 @@ class SequenceParallel:
         fields = {k: v for k, v in output.items()}
         fields["loss"] = loss
         return type(output)(**fields)
-
-    def _check_same_batch(self, ids: Tensor) -> None:
-        """Raise when the ranks of the group were handed different batches (a per-rank sampler)."""
-        w = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.float64)
-        flat = ids.reshape(-1).to(torch.float64)
-        local = torch.stack([(flat * w).sum(), (flat * flat).sum(), torch.tensor(float(ids.numel()), dtype=torch.float64, device=ids.device)])
-        with torch.no_grad():
-            every = all_gather_stack(local, self.group, self.rank, self.world)  # [W, 3]
-        if not bool((every == local).all()):
-            raise ValueError(
-                "the ranks of the sequence-parallel group were given different batches: every rank must receive the "
-                "same full batch (use one sampler for the group, not a per-rank DistributedSampler over these ranks)"
-            )

@@ -113,6 +113,7 @@ def prepare_trainer(
             "ParallelismConfig(cp_size / sp_size / tp_size > 1) would shard the sequence a second time (and accelerate "
             "refuses recurrent layers there); leave them at 1 and let prepare_trainer shard the sequence"
         )
+    _refuse_own_loss(trainer)
     world = dist.get_world_size()
     if sp_size is not None:
         if sp_size < 1 or world % sp_size:
@@ -140,6 +141,34 @@ def prepare_trainer(
     trainer._safepad_sp = sp
     logger.info("safepad: Trainer SP: groups of %d ranks, %d data-parallel groups", sp.world, dp_size)
     return sp
+
+
+def _has_trl_fused_head(model) -> bool:
+    """``model`` (or the model PEFT wraps) runs TRL's ``add_fused_lm_head`` forward."""
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        fn = getattr(getattr(m, "forward", None), "__func__", None)
+        if fn is not None and getattr(getattr(fn, "__code__", None), "co_name", "") == "_fused_forward":
+            return True
+    return False
+
+
+def _refuse_own_loss(trainer) -> None:
+    """Refuse trainers that compute the loss themselves from the full rows' labels (TRL's trainers).
+
+    Under sequence parallelism the model's forward sees one shard of every row, and the whole batch's loss is
+    the one the SP hook returns (``outputs.loss``). TRL's ``SFTTrainer`` computes its loss in a fused LM head
+    from ``labels`` inside the model's forward (the SP hook has replaced them by this shard's: it crashed at
+    ``labels[:, 1:]``); its other trainers compute losses from the logits and full-row labels.
+    """
+    trl = [c for c in type(trainer).__mro__ if (c.__module__ or "").split(".")[0] == "trl"]
+    if trl or _has_trl_fused_head(trainer.model):
+        raise UnsupportedSequenceParallelError(
+            f"prepare_trainer does not support TRL's {type(trainer).__name__}: it computes the loss itself (a fused LM "
+            "head reading the full rows' labels), while under sequence parallelism each rank's forward sees one "
+            "shard and the whole batch's loss is the model output's `loss`. Train with transformers.Trainer and "
+            "safepad.DataCollatorForPackedSSM (the SFT loss on packed rows, labels -100 on the prompt), or train "
+            "this TRL trainer without sequence parallelism"
+        )
 
 
 def _check_eval(trainer, loader, dp_size: int) -> None:

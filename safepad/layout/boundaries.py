@@ -79,7 +79,15 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, name: str 
     if cu_seqlens.dtype not in _INT_DTYPES:
         raise ValueError(f"{name} must have an integer dtype, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"{name} must have shape [num_seqs + 1] with num_seqs >= 1, got {tuple(cu_seqlens.shape)}")
+        hint = (
+            " (a single entry: was the batch cut by accelerate's batch dispatcher, the default for an IterableDataset "
+            "under Trainer? Set TrainingArguments(accelerator_config={'dispatch_batches': False}), or add "
+            "safepad's PaddingGuardCallback, which passes one process's dispatched batches on whole)"
+            if cu_seqlens.dim() == 1 and cu_seqlens.numel() == 1 else ""
+        )
+        raise ValueError(
+            f"{name} must have shape [num_seqs + 1] with num_seqs >= 1, got {tuple(cu_seqlens.shape)}{hint}"
+        )
     if tracing():
         device_check(cu_seqlens[0] == 0, f"{name} must start at 0")
         device_check(~(cu_seqlens[1:] < cu_seqlens[:-1]).any(), f"{name} must be non-decreasing")

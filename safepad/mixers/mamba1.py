@@ -115,9 +115,10 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
     xh = xc.view(Bsz, T, H, P)  # [B, T, I] -> [B, T, H, P]
     dt, Bm, Cm = _head_params(self, xh)  # [B, T, H, P], [B, T, H, N], [B, T, H, N]
     zh = gate.view(Bsz, T, H, P)  # [B, T, H, P]
+    scan = layout_op(layout, selective_scan)  # one rank's shard: the scan state crosses the ranks
     ys, states = [], []
     for h in range(H):
-        out = selective_scan(
+        out = scan(
             xh[:, :, h], dt[:, :, h], A[h], Bm[:, :, h], Cm[:, :, h], D=D[h], z=zh[:, :, h],
             delta_bias=None if bias is None else bias[h], delta_softplus=True, seq_idx=layout.seq_idx,
             initial_state=None if past.recurrent is None else past.recurrent[:, h], token_mask=mask,

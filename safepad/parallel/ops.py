@@ -94,6 +94,11 @@ class _Attach(torch.autograd.Function):
         return (g, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes))
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The torch core's compute dtype for inputs of ``x.dtype``: float64 stays, anything else is float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _first_sequence(seq_idx: Tensor | None, shape: tuple[int, int], device) -> tuple[Tensor | None, Tensor]:
     """(``[B, T]`` bool: token of the shard's first sequence, or None when the whole shard is one;
     ``[B]`` bool: that sequence reaches the shard's last token)."""
@@ -245,8 +250,8 @@ def sp_selective_scan(*args: Any, sp: SPContext, **kwargs: Any) -> Tensor:
     )
     Bsz, T = c.Bsz, c.T
     y0, F_loc = selective_scan(
-        **{**kw, "D": None, "z": None, "return_final_state": True}
-    )  # [B, T, Dm] before D and the gate, [B, Dm, N]
+        **{**kw, "u": u.to(_compute_dtype(u)), "D": None, "z": None, "return_final_state": True}
+    )  # [B, T, Dm] before D and the gate, in the compute dtype (rounded to u.dtype once, at the end), [B, Dm, N]
     ct = F_loc.dtype
     dtp = process_dt(delta, delta_bias, (float("-inf"), float("inf")), delta_softplus).to(ct)  # [B, T, Dm]
     first, passes = _first_sequence(seq_idx, (Bsz, T), u.device)
@@ -260,7 +265,7 @@ def sp_selective_scan(*args: Any, sp: SPContext, **kwargs: Any) -> Tensor:
     else:
         h_in = _incoming(sp, F_all, a_all, torch.mul)  # [B, Dm, N]
         corr = selective_scan(
-            **{**kw, "u": torch.zeros_like(u), "D": None, "z": None, "initial_state": h_in}
+            **{**kw, "u": torch.zeros_like(u, dtype=ct), "D": None, "z": None, "initial_state": h_in}
         )  # [B, T, Dm]: C_t · (decay ∘ h_in) on the first sequence, 0 elsewhere
         corr = corr.to(ct)
         if first is not None:

@@ -61,6 +61,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 
     if case.get("mismatch"):  # every rank fed a different batch: must raise on every rank, not hang
         return _mismatch(case, rank)
+    if case.get("agreement"):
+        return _agreement(case, rank)
+    if case.get("autocast"):
+        return _autocast(case, rank, world)
     family = case["family"]
     overrides = dict(case.get("overrides", {}))
     if case.get("dtype") == "float64":
@@ -142,6 +146,112 @@ def _mismatch(case: dict, rank: int) -> dict:
     finally:
         sp.remove()
     return {"raised": None}
+
+
+def _agreement(case: dict, rank: int) -> dict:
+    """Rank-dependent inputs other than ``input_ids`` must raise on every rank, and ``sync_gradients`` misuse
+    (twice, or after every micro-step of an accumulation) must raise; one accumulation done right (and one with
+    ``zero_grad(set_to_none=False)`` between syncs) must equal the single-process gradients."""
+    import safepad
+    from safepad.distributed import sequence_parallel
+    from safepad.testing.tiny import tiny_model
+
+    family = case["family"]
+    ref = safepad.wrap(tiny_model(family))
+    model = safepad.wrap(tiny_model(family))
+    vocab = ref.config.vocab_size
+    ids, pos, seq, labels = _batch(PACKED, vocab, seed=1)
+    ids2, pos2, _, labels2 = _batch(PACKED, vocab, seed=2)
+    sp = sequence_parallel(model)
+    res: dict = {"raised": {}}
+
+    def attempt(what: str, **kw) -> None:
+        try:
+            model(**kw)
+        except ValueError as err:
+            res["raised"][what] = str(err)
+        else:
+            res["raised"][what] = None
+
+    other = labels.clone()
+    other[0, 10] = -100 if rank else other[0, 10]
+    attempt("labels", input_ids=ids, position_ids=pos, labels=other)
+    attempt("position_ids", input_ids=ids, labels=labels,
+            position_ids=pos if rank == 0 else torch.arange(ids.shape[1]).expand_as(ids))
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+    attempt("inputs_embeds", inputs_embeds=embeds + (1e-3 * rank), position_ids=pos, labels=labels)
+    attempt("token_weights", input_ids=ids, position_ids=pos, labels=labels, token_weights=torch.tensor(float(rank)))
+
+    def micro(m, i: int):
+        kw = {"input_ids": ids, "position_ids": pos, "labels": labels} if i == 0 else {
+            "input_ids": ids2, "position_ids": pos2, "labels": labels2}
+        m(**kw).loss.backward()
+
+    for i in (0, 1):
+        micro(ref, i)
+    g_ref = _grads(ref)
+
+    def misuse(what: str, fn) -> None:
+        model.zero_grad()
+        try:
+            fn()
+        except RuntimeError as err:
+            res["raised"][what] = str(err)
+        else:
+            res["raised"][what] = None
+
+    misuse("double_sync", lambda: (micro(model, 0), sp.sync_gradients(), sp.sync_gradients()))
+    misuse("sync_every_micro_step", lambda: (micro(model, 0), sp.sync_gradients(), micro(model, 1), sp.sync_gradients()))
+    model.zero_grad()
+    micro(model, 0)
+    micro(model, 1)
+    sp.sync_gradients()  # once, after the last micro-batch
+    got = _grads(model)
+    res["accumulated_grad_max_rel"] = max(_rel(got[n], g_ref[n]) for n in g_ref if g_ref[n].abs().max() > 0)
+    model.zero_grad(set_to_none=False)  # in place: the next backward must not count as added onto the sum
+    micro(model, 0)
+    sp.sync_gradients()
+    ref.zero_grad()
+    micro(ref, 0)
+    got, g_ref = _grads(model), _grads(ref)
+    res["zeroed_grad_max_rel"] = max(_rel(got[n], g_ref[n]) for n in g_ref if g_ref[n].abs().max() > 0)
+    sp.remove()
+    return res
+
+
+def _autocast(case: dict, rank: int, world: int) -> dict:
+    """Sharded forward + backward under ``torch.autocast(cpu, bfloat16)`` against the same call on one process."""
+    import safepad
+    from safepad.distributed import sequence_parallel
+    from safepad.testing.tiny import tiny_model
+
+    family = case["family"]
+    ref = safepad.wrap(tiny_model(family))
+    ids, pos, seq, labels = _batch(PACKED, ref.config.vocab_size, seed=1)
+    kw = _kwargs(case["boundaries"], ids, pos, seq, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref = ref(**kw)
+    out_ref.loss.backward()
+    g_ref = _grads(ref)
+    model = safepad.wrap(tiny_model(family))
+    sp = sequence_parallel(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**kw)
+    out.loss.backward()
+    sp.sync_gradients()
+    g = _grads(model)
+    T = ids.shape[1] // world
+    res = {
+        "loss_rel": _rel(out.loss.detach().float(), out_ref.loss.detach().float()),
+        "logits_rel": _rel(out.logits.detach().float(), out_ref.logits.detach().float()[:, rank * T : (rank + 1) * T]),
+        "grad_rel": {n: _rel(g[n].float(), g_ref[n].float()) for n in g_ref if g_ref[n].abs().max() > 0},
+        "logits_dtype": str(out.logits.dtype),
+    }
+    res["grad_max_rel"] = max(res["grad_rel"].values())
+    res["worst"] = max(res["grad_rel"], key=res["grad_rel"].get)
+    sp.remove()
+    return res
 
 
 def worker(rank: int, world: int, init_file: str, cases: list[dict], out_dir: str) -> None:

@@ -57,8 +57,17 @@ def test_op_without_exchange_raises():
         sp_op(causal_conv1d_step, object())
 
 
-@pytest.mark.parametrize("what", ["sliding", "router"])
+@pytest.mark.parametrize(
+    "what",
+    [pytest.param("sliding", id="sliding"), pytest.param("router", id="router"),
+     pytest.param("indexed", id="qwen4_exp_text-indexed-no-ple")],
+)
 def test_unsupported_configs_raise(group, what):
+    if what == "indexed":  # without PLE layers only the indexed attention is left to refuse (it crashed in the call)
+        model = safepad.wrap(tiny_model("qwen4_exp_text", ple_layer_ids=[]))
+        with pytest.raises(UnsupportedSequenceParallelError, match="indexed"):
+            sequence_parallel(model)
+        return
     model = safepad.wrap(tiny_model("qwen3_next"))
     if what == "sliding":
         model.config.layer_types = ["linear_attention", "sliding_attention"]
@@ -113,6 +122,7 @@ def test_bad_calls_raise(group, bad):
             match = "use_cache=False"
         elif bad == "odd_length":
             sp.world = 5  # as if the group had 5 ranks: 96 tokens do not split
+            sp.check_batch = False  # the agreement all-gather needs a real group of 5
             match = "multiple of 5"
         elif bad == "short":
             kw = {"input_ids": ids[:, :2]}
@@ -201,7 +211,7 @@ def test_prepare_trainer_refusals(group, bad):
 def test_sp_ops_validate_like_the_ops(op):
     """The sequence-parallel ops take the single-device op's own arguments and raise its own errors, before any
     exchange (no process group needed): a wrong shape, an unknown argument, and a refused initial state."""
-    from safepad.distributed import ops as spo
+    from safepad.parallel import ops as spo
 
     x4 = torch.randn(1, 8, 2, 4)
     calls = {
@@ -223,3 +233,46 @@ def test_sp_ops_validate_like_the_ops(op):
         fn(*args, sp=object(), chunk_sise=4)
     with pytest.raises(ValueError, match="does not take initial_state"):
         fn(*args, sp=object(), initial_state=state)
+
+
+def _word_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+
+
+def test_prepare_trainer_refuses_trl_sft_trainer(group, tmp_path):
+    """TRL's SFTTrainer computes its loss in a fused LM head from the full rows' labels, which the SP hook replaces by
+    the shard's: it crashed at ``labels[:, 1:]`` at step 1. prepare_trainer refuses it, and so does a direct
+    ``fused_lm_head=True`` call of a sequence-parallel model; nothing is left hooked."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from safepad.distributed import prepare_trainer
+
+    model = safepad.wrap(tiny_model("nemotron_h"))
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in (40, 30, 26)]
+    args = SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True, padding_free=True, max_length=None, dataset_num_proc=None, bf16=False,
+        pad_to_multiple_of=32,
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=_word_tokenizer(vocab))
+    hooks = len(model._forward_pre_hooks)
+    with pytest.raises(UnsupportedSequenceParallelError, match="does not support TRL's SFTTrainer"):
+        prepare_trainer(trainer, sp_size=1)
+    assert len(model._forward_pre_hooks) == hooks and model.config._attn_implementation != "safepad_sp"
+    sp = sequence_parallel(model)  # TRL's patched forward under the SP hooks directly
+    try:
+        ids, pos, _, labels = _batch(PACKED, vocab, seed=1)
+        with pytest.raises(UnsupportedSequenceParallelError, match="fused_lm_head=True"):
+            model(input_ids=ids, position_ids=pos, labels=labels, fused_lm_head=True)
+    finally:
+        sp.remove()
