@@ -41,6 +41,7 @@ _LAZY = {
     "packing_stats": "collators",
     "PackingStats": "collators",
     "PaddingGuardCallback": "trainer_ext",
+    "ShadowCheckCallback": "trainer_ext",
 }
 
 __all__ = [
