@@ -105,12 +105,18 @@ def main() -> None:
     hook = (time.perf_counter() - t0) / reps
     cb.on_train_end(targs, state, control)
     overhead = (med["check"] - med["idle"]) / (n * med["plain"]) + hook / med["plain"]
-    print(f"rows of {tokens:.0f} tokens ({seqs:.1f} sequences), {len(cb.results)} checks of {checked:.0f} tokens on average")
+    print(
+        f"rows of {tokens:.0f} tokens ({seqs:.1f} sequences), {len(cb.results)} checks of {checked:.0f} tokens on average"
+    )
     for kind in ("plain", "idle", "check"):
         print(f"  {kind:5s} step median {med[kind] * 1e3:8.1f} ms  (n={len(times[kind])})")
-    print(f"  one check costs {(med['check'] - med['idle']) * 1e3:.1f} ms = {med['check'] / med['idle'] - 1:.1%} of a step")
-    print(f"  idle hook alone {hook * 1e6:.1f} us = {hook / med['plain']:.4%} of a step; idle vs plain A/B "
-          f"{med['idle'] / med['plain'] - 1:+.2%} (noise level on a shared CPU)")
+    print(
+        f"  one check costs {(med['check'] - med['idle']) * 1e3:.1f} ms = {med['check'] / med['idle'] - 1:.1%} of a step"
+    )
+    print(
+        f"  idle hook alone {hook * 1e6:.1f} us = {hook / med['plain']:.4%} of a step; idle vs plain A/B "
+        f"{med['idle'] / med['plain'] - 1:+.2%} (noise level on a shared CPU)"
+    )
     print(f"shadow check overhead per step at every_n_steps={n}: {overhead:.3%}")
 
 

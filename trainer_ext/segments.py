@@ -10,6 +10,7 @@ collator that drops one of them is caught by the shadow check rather than truste
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ def segments(starts: Tensor, mask: Tensor | None = None) -> list[Segment]:
     out: list[Segment] = []
     for r in range(B):
         begins = starts[r].nonzero().flatten().tolist() + [T]
-        for i, (a, b) in enumerate(zip(begins[:-1], begins[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(begins)):
             if m is not None:
                 real = m[r, a:b].nonzero().flatten()
                 if real.numel() == 0:
@@ -151,5 +152,7 @@ def feature_starts(features: Sequence[Any], collated: Mapping[str, Any]) -> Tens
             for b in begins:
                 starts[r, offset + b] = True
         return starts
-    logger.debug("shadow check: collator output %s does not match its %d features; batch boundaries only", B, len(parts))
+    logger.debug(
+        "shadow check: collator output %s does not match its %d features; batch boundaries only", B, len(parts)
+    )
     return None

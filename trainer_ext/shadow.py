@@ -98,7 +98,11 @@ class _Capture:
 
 def _dropout_sources(model: nn.Module) -> list[str]:
     """Modules and config fields that make a training forward random (dropout > 0)."""
-    found = [f"{n or type(model).__name__} (p={m.p})" for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    found = [
+        f"{n or type(model).__name__} (p={m.p})"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Dropout) and m.p > 0
+    ]
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
         for k, v in cfg.to_dict().items():
@@ -229,7 +233,9 @@ class ShadowCheckCallback(TrainerCallback):
                 "parameters, so every rank must run it. Use ranks='all' (each rank checks its own batch)."
             )
         self._model, self._capture, self._armed, self._pending = module, None, False, {}
-        self._amp_dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        self._amp_dtype = (
+            torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        )
         self._hook = module.register_forward_hook(self._on_forward, with_kwargs=True)
         self._watch_collator(train_dataloader, getattr(trainer, "train_dataset", None))
         if trainer is not None:  # run our on_log before the reporting integrations'
@@ -339,7 +345,9 @@ class ShadowCheckCallback(TrainerCallback):
             )
         B, T = ids.shape
         cpu_ids = ids.detach().cpu()
-        extra = next((s for i, s in reversed(self._features) if i.shape == cpu_ids.shape and torch.equal(i, cpu_ids)), None)
+        extra = next(
+            (s for i, s in reversed(self._features) if i.shape == cpu_ids.shape and torch.equal(i, cpu_ids)), None
+        )
         starts = sequence_starts(kwargs, (B, T), extra)
         labels = kwargs.get("labels")
         segs = segments(starts, kwargs.get("attention_mask"))
@@ -424,7 +432,9 @@ class ShadowCheckCallback(TrainerCallback):
         loss_diff = float((loss_a - loss_p).abs()[scored].max()) if bool(scored.any()) else 0.0
         tol = self.tol if self.tol is not None else SHADOW_TOLERANCES.get(cap.dtype, SHADOW_TOLERANCES[torch.float32])
         flagged = not (rel <= tol)  # NaN is flagged
-        return ShadowResult(self._step, cap.segment, max_abs, rel, loss_diff, cap.segment.length, cap.dtype, tol, flagged)
+        return ShadowResult(
+            self._step, cap.segment, max_abs, rel, loss_diff, cap.segment.length, cap.dtype, tol, flagged
+        )
 
     def _share(self, result: ShadowResult | None) -> ShadowResult | None:
         """Under torch.distributed: every rank gets the worst result (``ranks="all"``) or rank 0's (``"main"``)."""

@@ -314,7 +314,9 @@ def run(
         code = max(code, gradients_cmd.run(args, model, fn, label, console))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(_jsonable({**report.to_dict(), **getattr(args, "gradient_json", {}), "exit_code": code}), fh, indent=2)
+            json.dump(
+                _jsonable({**report.to_dict(), **getattr(args, "gradient_json", {}), "exit_code": code}), fh, indent=2
+            )
         console.print(f"results written to {args.json}")
     if args.plot and report.pad_sweep is not None:
         plot_pad_sweep(report.pad_sweep, args.plot, title=f"{label}: cached state after right-padded prefill")

@@ -277,8 +277,10 @@ def print_gradient_reports(console: Any, reports: Sequence[GradientReport]) -> b
         if r.error is not None:
             console.print(f"[red]{r.label}:[/] {r.error}", markup=True, highlight=False)
     last = reports[-1]
-    verdict = "[bold green]PASS[/]: no gradient crosses a packed boundary" if last.passed else (
-        "[bold red]FAIL[/]: gradients leak across packed boundaries"
+    verdict = (
+        "[bold green]PASS[/]: no gradient crosses a packed boundary"
+        if last.passed
+        else ("[bold red]FAIL[/]: gradients leak across packed boundaries")
     )
     console.print(f"{verdict} ({last.label})")
     return last.passed

@@ -79,5 +79,8 @@ def test_cli(tmp_path, capsys, extra, code, verdict):
     assert verdict in out and "layers: MambaMixer" in out
     data = json.loads(out_json.read_text())
     assert data["exit_code"] == code
-    assert [r["label"] for r in data["gradients"]] == ["stock tiny mamba", *(["wrapped tiny mamba"] if not extra else [])]
+    assert [r["label"] for r in data["gradients"]] == [
+        "stock tiny mamba",
+        *(["wrapped tiny mamba"] if not extra else []),
+    ]
     assert data["gradients"][-1]["passed"] == (code == 0)

@@ -112,7 +112,9 @@ def _fault(name, tmp_path):
     """(model, collator, callbacks, examples, training args, every_n_steps, the step that must be flagged)."""
     if name == "stock":  # positions only: the stock torch path raises on seq_idx, leaks silently on positions
         return make_model(strong=True), Dropping(*BOUNDARY_KEYS), [], None, {}, 4, 1
-    if name == "unwrapped-mid-run":  # unwrapped after step 7 (positions only, as TRL's padding_free): checks at 1, 6, 11
+    if (
+        name == "unwrapped-mid-run"
+    ):  # unwrapped after step 7 (positions only, as TRL's padding_free): checks at 1, 6, 11
         return wrapped(), Dropping(*BOUNDARY_KEYS), [AtStep(7, safepad.unwrap)], None, {}, 5, 11
     if name == "collator-drops-seq_idx":
         return safepad.wrap(tiny_model("mamba")), Dropping(*BOUNDARY_KEYS, "position_ids"), [], None, {}, 3, 1
