@@ -246,3 +246,25 @@ def test_bad_arguments(kwargs, match):
 
 def test_reexported():
     assert safepad.ShadowCheckCallback is ShadowCheckCallback
+
+
+class RightPadded:
+    """``[B, T]`` right-padded rows with an attention_mask, labels -100 at pads (a correct training layout)."""
+
+    def __call__(self, features):
+        T = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros(len(features), T, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, f in enumerate(features):
+            ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+            mask[i, : len(f["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_padded_rows_are_checked_on_their_real_tokens(tmp_path):
+    """Right padding without a cache is correct even on the stock model: checked, never flagged."""
+    shadow = ShadowCheckCallback(every_n_steps=1, mode="error")
+    examples = make_examples(16, lengths=(5, 17, 9, 30))
+    train(tmp_path, make_model(strong=True), RightPadded(), [shadow], steps=4, examples=examples)
+    assert len(shadow.results) == 4 and not any(r.flagged for r in shadow.results)
+    assert {r.checked_tokens for r in shadow.results} <= {5, 17, 9, 30}  # one row's real tokens, no pad
