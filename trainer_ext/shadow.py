@@ -23,7 +23,7 @@ import random
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,8 +93,7 @@ class _Capture:
     logits: Tensor  # [L, V] float32, packed forward
     autocast: tuple[str, torch.dtype] | None
     dtype: torch.dtype
-    n_candidates: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    n_candidates: int = 0  #: sequences it was drawn from
 
 
 def _dropout_sources(model: nn.Module) -> list[str]:
