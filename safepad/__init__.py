@@ -48,6 +48,7 @@ _LAZY = {
     "packing_stats": "safepad.collators",
     "PackingStats": "safepad.collators",
     "PaddingGuardCallback": "safepad.trainer_ext",
+    "ShadowCheckCallback": "safepad.trainer_ext",
 }
 
 __all__ = [

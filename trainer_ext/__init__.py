@@ -3,5 +3,14 @@
 from __future__ import annotations
 
 from .callback import KIND_DROPPED_BOUNDARIES, KIND_TOKENIZER, PaddingGuardCallback
+from .shadow import KIND_SHADOW_MISMATCH, SHADOW_TOLERANCES, ShadowCheckCallback, ShadowResult
 
-__all__ = ["KIND_DROPPED_BOUNDARIES", "KIND_TOKENIZER", "PaddingGuardCallback"]
+__all__ = [
+    "KIND_DROPPED_BOUNDARIES",
+    "KIND_SHADOW_MISMATCH",
+    "KIND_TOKENIZER",
+    "SHADOW_TOLERANCES",
+    "PaddingGuardCallback",
+    "ShadowCheckCallback",
+    "ShadowResult",
+]

@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
 from ..testing.tiny import family_available, family_names, tiny_model
+from . import gradients as gradients_cmd
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", default=None, help="PNG: cached-state error vs trailing pad count")
     p.add_argument("--max-pads", type=int, default=8, help="pad counts 0..N for --plot (default 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gradients_cmd.add_arguments(p)
     p.set_defaults(run=run)
     return p
 
@@ -308,9 +310,13 @@ def run(
             parser.error(f"{label}: {exc} Run with --no-wrap for a stock-only audit.")
     _print_report(console, report)
     code = 0 if report.passed else 1
+    if args.gradients:  # safepad/cli/gradients.py
+        code = max(code, gradients_cmd.run(args, model, fn, label, console))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(_jsonable({**report.to_dict(), "exit_code": code}), fh, indent=2)
+            json.dump(
+                _jsonable({**report.to_dict(), **getattr(args, "gradient_json", {}), "exit_code": code}), fh, indent=2
+            )
         console.print(f"results written to {args.json}")
     if args.plot and report.pad_sweep is not None:
         plot_pad_sweep(report.pad_sweep, args.plot, title=f"{label}: cached state after right-padded prefill")
