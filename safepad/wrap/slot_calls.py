@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
-from ..cache import CACHE_NAMES
+from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
+from .frames import inside_generate
 
 __all__ = ["SlotRecord", "slot_justify", "slot_restore"]
 
@@ -25,10 +26,14 @@ _PADDED_FLAG = "_safepad_padded_slots"
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("call", "keep", "padded", "shape")
+    __slots__ = ("call", "keep", "padded", "restore", "shape")
 
-    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool):
+    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
+                 restore: bool = True):
         self.call, self.shape, self.keep, self.padded = call, shape, keep, padded
+        # False inside generate(): it reads each row's next token from the LAST column, which the justified
+        # layout makes the row's last real token
+        self.restore = restore
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -57,9 +62,12 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 "Pass the full-length attention_mask (the cached tokens plus the new ones, as generate() does) so "
                 "that the pads stay masked."
             )
+        if mask is None and wanted:
+            return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
         return args, kwargs
     m = mask.to(torch.bool)
-    if not wanted:
+    if not wanted or (module.training and not explicit):
+        # no cache, or only the config default's in a training step (nobody reads it): the caller's layout
         for check in info["slot_checks"]:
             check(module, m[:, -T:])
         return args, kwargs
@@ -70,16 +78,27 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 f"tokens and the call brings {T}: with padding, pass the full-length mask (cached tokens plus new "
                 f"ones, {past_len + T} columns), as generate() does"
             )
-        return args, kwargs
+        return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     call = SlotJustifiedCall(m, past_len)
     for check in info["slot_checks"]:
         check(module, call.mask)
-    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()))
+    generating = inside_generate()
+    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=not generating)
     module._safepad_slot_calls[-1] = record
-    if call.noop:
+    position_ids = _arg(args, kwargs, params, "position_ids")
+    # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
+    # generate the mask decides the positions (they equal generate's own wherever those are right)
+    replace_positions = info["accepts_position_ids"] and not _mrope(module) and (
+        position_ids is None or (generating and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
+    )
+    if call.noop and not (replace_positions and (past_len > 0 or generating)):
         return args, kwargs
     named = dict(zip(params, args))  # every argument by name from here on
     named.update(kwargs)
+    if replace_positions:
+        named["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
+    if call.noop:
+        return (), named
     if named.get("labels") is not None:
         if explicit:
             raise ValueError(
@@ -89,22 +108,48 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
             )
         if "use_cache" in params or info["var_kwargs"]:
             named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
+        if position_ids is None:
+            named.pop("position_ids", None)
         record.padded = False
         return (), named
     for name, value in list(named.items()):
         if name in ("attention_mask", "labels") or not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
+        if name == "position_ids" and replace_positions:
+            continue  # already in the justified order
         if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
             named[name] = call.reorder(value)
     named["attention_mask"] = call.mask.to(mask.dtype)
-    if named.get("position_ids") is None and info["accepts_position_ids"]:
-        named["position_ids"] = call.position_ids().to(mask.device)
     keep = named.get("logits_to_keep")
     if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
         named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
         record.keep = keep
     call.install(cache)
     record.call = call
+    return (), named
+
+
+def _mrope(module: nn.Module) -> bool:
+    """Multimodal rotary positions (``[3, B, T]``, computed by the model from its inputs): never synthesised here."""
+    rope = text_config_value(module, "rope_parameters", None) or text_config_value(module, "rope_scaling", None)
+    return isinstance(rope, dict) and any(k.startswith("mrope") for k in rope)
+
+
+def _with_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
+    """A cached call without padding and without ``position_ids``: positions ``past_len + arange(T)``.
+
+    Some families (Bamba in transformers 5.24) restart their rotary positions at 0 on every call when
+    ``position_ids`` are not given, so a chunked prefill or a decode step would see the wrong distances.
+    """
+    params = info["params"]
+    if past_len == 0 or not info["accepts_position_ids"] or _mrope(module):
+        return args, kwargs
+    if _arg(args, kwargs, params, "position_ids") is not None:
+        return args, kwargs
+    ids = next((v for n in ("input_ids", "inputs_embeds") if isinstance(v := _arg(args, kwargs, params, n), torch.Tensor)), None)
+    named = dict(zip(params, args))
+    named.update(kwargs)
+    named["position_ids"] = (past_len + torch.arange(T, device=ids.device))[None].expand(B, T)
     return (), named
 
 
@@ -116,7 +161,7 @@ def slot_restore(record: SlotRecord, output):
     if output is None:  # the forward raised
         return None
     cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
-    if record.padded and cache is not None:
+    if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
     if call is None or call.order is None:
         return None
@@ -124,7 +169,8 @@ def slot_restore(record: SlotRecord, output):
 
     def fix(v, name=""):
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
-            v = call.restore(v)
+            if record.restore:
+                v = call.restore(v)
             if name == "logits" and record.keep is not None:
                 v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
             return v
