@@ -21,12 +21,14 @@ __all__ = ["SlotRecord", "slot_justify", "slot_restore"]
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
+#: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
+_SHIFT_ATTR = "_safepad_position_shift"
 
 
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("call", "keep", "padded", "restore", "shape")
+    __slots__ = ("call", "keep", "padded", "restore", "shape", "shift")
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
                  restore: bool = True):
@@ -34,6 +36,7 @@ class SlotRecord:
         # False inside generate(): it reads each row's next token from the LAST column, which the justified
         # layout makes the row's last real token
         self.restore = restore
+        self.shift = None  # [K, B, 1] position shift to keep with the cache (stacked positions in generate)
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -88,15 +91,28 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     position_ids = _arg(args, kwargs, params, "position_ids")
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
     # generate the mask decides the positions (they equal generate's own wherever those are right)
-    replace_positions = info["accepts_position_ids"] and not _mrope(module) and (
-        position_ids is None or (generating and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
+    # (a multimodal-rotary model computes missing positions from its own inputs: only 2-D text ones are replaced)
+    replace_positions = info["accepts_position_ids"] and (
+        (position_ids is None and not _mrope(module))
+        or (generating and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
     )
-    if call.noop and not (replace_positions and (past_len > 0 or generating)):
+    # [K, B, T] positions (multimodal rotary, e.g. text + 3 M-RoPE axes): generate() extends them from the last
+    # column too; the shift of each row's last real token from its last column is kept with the cache
+    stacked = (
+        generating and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3
+        and position_ids.shape[1] in (1, B) and position_ids.shape[2] == T
+    )
+    shift = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
+    if stacked and past_len == 0 and bool((~m[:, -1]).any()):
+        record.shift = _last_real_shift(position_ids, m[:, -T:])
+    if call.noop and shift is None and not (replace_positions and (past_len > 0 or generating)):
         return args, kwargs
     named = dict(zip(params, args))  # every argument by name from here on
     named.update(kwargs)
     if replace_positions:
         named["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
+    elif shift is not None:
+        named["position_ids"] = position_ids + shift.to(position_ids.device)
     if call.noop:
         return (), named
     if named.get("labels") is not None:
@@ -117,6 +133,9 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
             continue
         if name == "position_ids" and replace_positions:
             continue  # already in the justified order
+        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and value.shape[1] in (1, B):
+            named[name] = call.reorder(value.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
+            continue
         if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
             named[name] = call.reorder(value)
     named["attention_mask"] = call.mask.to(mask.dtype)
@@ -127,6 +146,20 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     call.install(cache)
     record.call = call
     return (), named
+
+
+def _last_real_shift(position_ids: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """``[K, B, 1]``: per row, the positions of its last real token minus those of its last column.
+
+    ``position_ids`` ``[K, B, T]`` (or ``[K, 1, T]``), ``cur`` ``[B, T]`` bool (True = real). Rows without a real
+    token get 0.
+    """
+    B, T = cur.shape
+    pos = position_ids.expand(position_ids.shape[0], B, T)
+    last = (cur.long() * torch.arange(1, T + 1, device=cur.device)).argmax(1)  # [B]: index of the last real token
+    idx = last.to(pos.device)[None, :, None].expand(pos.shape[0], B, 1)
+    shift = pos.gather(2, idx) - pos[..., -1:]
+    return shift * cur.any(1).to(shift.dtype)[None, :, None].to(shift.device)
 
 
 def _mrope(module: nn.Module) -> bool:
@@ -161,6 +194,8 @@ def slot_restore(record: SlotRecord, output):
     if output is None:  # the forward raised
         return None
     cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
+    if record.shift is not None and cache is not None:
+        setattr(cache, _SHIFT_ATTR, record.shift)
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
     if call is None or call.order is None:
