@@ -138,6 +138,7 @@ class _ModelPreHook:
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")))
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
         args, kwargs = slot_justify(module, info, args, kwargs, B, T)
+        T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut (slot_calls)
         record = module._safepad_slot_calls[-1]
         token_mask = record.call.token_mask if record is not None and record.call is not None else None
         mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask

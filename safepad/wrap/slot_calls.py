@@ -14,7 +14,7 @@ from torch import nn
 from .._config import text_config_value
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
-from .frames import inside_generate
+from .frames import generate_frame
 
 __all__ = ["SlotRecord", "slot_justify", "slot_restore"]
 
@@ -68,6 +68,11 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         if mask is None and wanted:
             return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
         return args, kwargs
+    generating = generate_frame()
+    if generating is not None and wanted and past_len > 0 and mask.shape[1] == T > past_len:
+        # generate() continuing from a cache without attention layers hands in the whole sequence (transformers
+        # slices off the cached tokens only for attention caches): run the new ones only
+        (args, kwargs), T = _drop_cached_prefix(info, args, kwargs, B, T, past_len), T - past_len
     m = mask.to(torch.bool)
     if not wanted or (module.training and not explicit):
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout
@@ -85,8 +90,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     call = SlotJustifiedCall(m, past_len)
     for check in info["slot_checks"]:
         check(module, call.mask)
-    generating = inside_generate()
-    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=not generating)
+    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=generating is None)
     module._safepad_slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
@@ -94,18 +98,20 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     # (a multimodal-rotary model computes missing positions from its own inputs: only 2-D text ones are replaced)
     replace_positions = info["accepts_position_ids"] and (
         (position_ids is None and not _mrope(module))
-        or (generating and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
+        or (generating is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
     )
     # [K, B, T] positions (multimodal rotary, e.g. text + 3 M-RoPE axes): generate() extends them from the last
     # column too; the shift of each row's last real token from its last column is kept with the cache
+    # (only within the generate() call that extends them: a later one computes them from the mask again)
     stacked = (
-        generating and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3
+        generating is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3
         and position_ids.shape[1] in (1, B) and position_ids.shape[2] == T
     )
-    shift = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
-    if stacked and past_len == 0 and bool((~m[:, -1]).any()):
-        record.shift = _last_real_shift(position_ids, m[:, -T:])
-    if call.noop and shift is None and not (replace_positions and (past_len > 0 or generating)):
+    kept = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
+    shift = kept[1] if kept is not None and kept[0] is generating else None
+    if stacked and shift is None and bool((~m[:, -1]).any()):
+        record.shift = (generating, _last_real_shift(position_ids, m[:, -T:]))
+    if call.noop and shift is None and not (replace_positions and (past_len > 0 or generating is not None)):
         return args, kwargs
     named = dict(zip(params, args))  # every argument by name from here on
     named.update(kwargs)
@@ -145,6 +151,20 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         record.keep = keep
     call.install(cache)
     record.call = call
+    return (), named
+
+
+def _drop_cached_prefix(info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
+    """Every ``[B, T, ...]`` input but the mask cut to its last ``T - past_len`` tokens (``[K, B, T]`` ones too)."""
+    named = dict(zip(info["params"], args))
+    named.update(kwargs)
+    for name, value in list(named.items()):
+        if name == "attention_mask" or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if value.shape[1] == T and value.shape[0] in (1, B):
+            named[name] = value[:, past_len:]
+        elif name == "position_ids" and value.dim() == 3 and value.shape[2] == T:
+            named[name] = value[..., past_len:]
     return (), named
 
 
