@@ -56,7 +56,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
     mask = _arg(args, kwargs, params, "attention_mask")
-    past_len = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+    past_len = _past_length(cache)
     flagged = bool(getattr(cache, _PADDED_FLAG, False))
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
         if flagged and past_len > 0 and mask is None:
@@ -152,6 +152,19 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     call.install(cache)
     record.call = call
     return (), named
+
+
+def _past_length(cache) -> int:
+    """Tokens the cache holds; 0 for a recurrent-only cache safepad has not counted yet (``CachePreHook``, which
+    runs after this hook, starts counting it or raises when it cannot)."""
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:
+        if recurrent_only(cache):
+            return 0
+        raise
 
 
 def _drop_cached_prefix(info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
