@@ -114,6 +114,43 @@ class _JustifyingUpdate:
         return self.original(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class _JustifyingIndexerUpdate:
+    """``cache.update_indexer`` for one call: a DSA indexer's per-slot state ``[B, S, F]`` re-laid like the keys.
+
+    The indexer (GLM-5 Next, Qwen4-Exp) selects key *slots* before its layer's ``cache.update``; its state must be
+    in the justified layout by then, so that the slots it selects are the ones the re-laid keys occupy.
+    """
+
+    def __init__(self, cache, n_past: Tensor, new_real: Tensor):
+        self.cache = cache
+        self.original = type(cache).update_indexer.__get__(cache)
+        self.n_past = n_past  # [B]
+        self.new_real = new_real  # [B]
+
+    def __call__(self, states: Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.cache.layers[layer_idx]
+        stored_keys = getattr(layer, "indexer_keys", None)
+        stored = 0 if stored_keys is None or not getattr(layer, "is_indexer_initialized", False) else stored_keys.shape[1]
+        if stored > 0:
+            if type(layer).update_indexer is not _dynamic_indexer_update():
+                raise ValueError(
+                    f"safepad: a cached call with padding after real tokens needs the indexer state of layer "
+                    f"{layer_idx} to be re-laid in place, which {type(layer).__name__} does not allow. Use a "
+                    "DynamicCache (the default), or pad on the left."
+                )
+            past_real = self.n_past.clamp(max=stored)
+            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real)  # [B, 1, S|T, F]
+            layer.indexer_keys, states = past[:, 0], new[:, 0]
+        return self.original(states, layer_idx, *args, **kwargs)
+
+
+def _dynamic_indexer_update():
+    from transformers import cache_utils
+
+    cls = getattr(cache_utils, "DynamicIndexedLayer", None)
+    return None if cls is None else cls.update_indexer
+
+
 class SlotJustifiedCall:
     """One model call's re-layout (see the module docstring): reorder inputs, rewrite the mask, re-lay the cache.
 
@@ -178,9 +215,12 @@ class SlotJustifiedCall:
                 f"(DynamicCache), got {type(cache).__name__}"
             )
         cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
+        if hasattr(type(cache), "update_indexer"):
+            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new)
         self._cache = cache
 
     def uninstall(self) -> None:
         if self._cache is not None:
             self._cache.__dict__.pop("update", None)
+            self._cache.__dict__.pop("update_indexer", None)
             self._cache = None

@@ -7,7 +7,7 @@ none, so RoPE hybrids (Qwen3-Next, LFM2, Bamba), sliding windows (LFM3 / Lara-Mi
 than the rows) and masks with holes all come out as each sequence alone. Bamba restarts its positions at 0 on
 every call in transformers 5.24 even without padding: an unpadded chunked prefill without ``position_ids`` is
 checked too. Reference: every real token's logits against its sequence run alone (no padding, no cache) through
-the stock model. The attention projections are strengthened (std 0.3) so that position errors cannot hide.
+the stock model (GLM-5 Next: its DSA indexer's slot state moves with the keys). The attention projections are strengthened (std 0.3) so that position errors cannot hide.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CASES = {
     "lara_mini": {"sliding_window": 6},
     "inkling_text": {"sliding_window_size": 6},
     "inkling2_text": {"sliding_window_size": 6},
+    "glm5_next": {},  # a DSA indexer selects key slots: its state is re-laid with the keys
 }
 
 
