@@ -1,9 +1,14 @@
-"""Slot-justified cached calls, for families whose attention counts positions in cache slots (``slot_positions``).
+"""Slot-justified cached calls, for every family: cached rows stay ``[pads | real tokens]``.
 
-The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding is
-re-laid so every cached row stays ``[pads | real tokens]`` (:class:`~safepad.layout.slots.SlotJustifiedCall`),
-and the post-hook puts the outputs back in the caller's order. A spec may add a ``slot_check(module, layout)``
-option that refuses layouts its attention cannot serve (Inkling's log scaling: ``safepad.specs.inkling_family``).
+The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding after
+real tokens is re-laid so every cached row stays ``[pads | real tokens]`` (the left-padded layout stock produces;
+:class:`~safepad.layout.slots.SlotJustifiedCall`): sliding windows, slot-relative positions and selected key
+slots then see real tokens only, and a row's last real token is its last column. The post-hook puts the outputs
+back in the caller's order, except inside ``generate()``, which reads each row's next token from the last column.
+Cached calls also get each token's real position when the caller gives none (the cached real tokens plus
+``cumsum(mask) - 1``; ``cache length + arange`` without padding), and inside ``generate()`` the mask decides the
+2-D positions. A spec may add a ``slot_check(module, layout)`` option that refuses layouts its attention cannot
+serve (Inkling's log scaling: ``safepad.specs.inkling_family``).
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 f"tokens and the call brings {T}: with padding, pass the full-length mask (cached tokens plus new "
                 f"ones, {past_len + T} columns), as generate() does"
             )
+        return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
+    if bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     call = SlotJustifiedCall(m, past_len)
     for check in info["slot_checks"]:
