@@ -151,6 +151,22 @@ def _dynamic_indexer_update():
     return None if cls is None else cls.update_indexer
 
 
+def _justify_position_history(cache, n_past: Tensor, n_new: Tensor, T: int) -> None:
+    """Re-lay a cache layer's stored per-slot positions ``[K, B, S]`` (``indexer_position_ids``, Qwen4-Exp) now.
+
+    The model concatenates them with the chunk's positions before any layer runs, so they must be in the
+    justified layout before the forward; the stored slots' re-lay depends only on counts (:func:`justify_kv`).
+    """
+    for layer in getattr(cache, "layers", ()):
+        hist = getattr(layer, "indexer_position_ids", None)
+        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != n_past.shape[0]:
+            continue
+        S = hist.shape[-1]
+        h = hist.permute(1, 0, 2)[..., None]  # [B, K, S, 1]
+        past, _ = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), n_past.clamp(max=S), n_new)
+        layer.indexer_position_ids = past[..., 0].permute(1, 0, 2).contiguous()  # [K, B, S]
+
+
 class SlotJustifiedCall:
     """One model call's re-layout (see the module docstring): reorder inputs, rewrite the mask, re-lay the cache.
 
@@ -200,10 +216,15 @@ class SlotJustifiedCall:
         return x.gather(1, idx)
 
     def position_ids(self) -> Tensor:
-        """``[B, T]`` positions of the justified chunk: real tokens count on from the row's cached ones; pads 1."""
-        cur = justified_mask(self.n_new, self.T)  # [B, T]
-        pos = self.n_past[:, None] + cur.long().cumsum(1) - 1
-        return pos.masked_fill(~cur, 1)
+        """``[B, T]`` positions of the justified chunk's slots: real tokens count on from the row's cached ones.
+
+        The chunk's leading pad columns get the positions of the cached real tokens that the re-lay moves into
+        those slots (a pad query's position changes no real output; a moved key keeps its own), others 1.
+        """
+        full = self.mask[:, -self.T :]  # [B, T] real slots of the chunk's columns after the re-lay
+        before = self.n_past + self.n_new - full.sum(1)  # [B] real slots before the chunk's columns
+        pos = before[:, None] + full.long().cumsum(1) - 1
+        return pos.masked_fill(~full, 1)
 
     def install(self, cache) -> None:
         """Route ``cache.update`` through the re-lay for this call (only when the cached slots must move)."""
@@ -214,6 +235,7 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
+        _justify_position_history(cache, self.n_past, self.n_new, self.T)
         cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
         if hasattr(type(cache), "update_indexer"):
             cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new)

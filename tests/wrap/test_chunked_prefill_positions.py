@@ -35,6 +35,7 @@ CASES = {
     "inkling_text": {"sliding_window_size": 6},
     "inkling2_text": {"sliding_window_size": 6},
     "glm5_next": {},  # a DSA indexer selects key slots: its state is re-laid with the keys
+    "qwen4_exp_text": {},  # its indexer keeps a per-slot position history in the cache: re-laid too
 }
 
 
