@@ -17,6 +17,7 @@ from torch import Tensor
 from .._tracing import tracing
 
 __all__ = [
+    "check_mask_values",
     "normalize_mask",
     "trailing_pad_counts",
     "has_holes",
@@ -111,3 +112,23 @@ class Compaction:
         y = torch.where(self.mask.view(*self.mask.shape, *([1] * (y.dim() - 2))), y, 0.0)  # (even a NaN)
         idx = self.index.view(*self.index.shape, *([1] * (y.dim() - 2))).expand_as(y)  # [B, T, ...]
         return torch.zeros_like(y).scatter(1, idx, y)
+
+
+def check_mask_values(attention_mask: Tensor | None) -> None:
+    """Raise unless a 2-D ``[B, T]`` ``attention_mask`` is a padding mask: bool, or holding only 0 and 1.
+
+    A float *additive* mask (0 keep, ``-inf`` / a large negative number for pads) reads as "every token is real
+    except the ones holding exactly 0" under transformers' 2-D convention, so it silently keeps the pads and drops
+    real tokens. One host read per call (none for a bool mask, nor while tracing); other shapes pass.
+    """
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.dtype == torch.bool:
+        return
+    if tracing() or attention_mask.numel() == 0:
+        return
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
+        raise ValueError(
+            f"attention_mask: a 2-D attention_mask is a padding mask holding 1 for a real token and 0 for a pad "
+            f"(or bool); this one ({attention_mask.dtype}) holds {bad!r}. An additive mask (0 keep, -inf pad) "
+            "must be converted first: pass `(additive_mask == 0).long()`."
+        )

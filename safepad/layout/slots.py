@@ -114,6 +114,59 @@ class _JustifyingUpdate:
         return self.original(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class _JustifyingIndexerUpdate:
+    """``cache.update_indexer`` for one call: a DSA indexer's per-slot state ``[B, S, F]`` re-laid like the keys.
+
+    The indexer (GLM-5 Next, Qwen4-Exp) selects key *slots* before its layer's ``cache.update``; its state must be
+    in the justified layout by then, so that the slots it selects are the ones the re-laid keys occupy.
+    """
+
+    def __init__(self, cache, n_past: Tensor, new_real: Tensor):
+        self.cache = cache
+        self.original = type(cache).update_indexer.__get__(cache)
+        self.n_past = n_past  # [B]
+        self.new_real = new_real  # [B]
+
+    def __call__(self, states: Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.cache.layers[layer_idx]
+        stored_keys = getattr(layer, "indexer_keys", None)
+        stored = 0 if stored_keys is None or not getattr(layer, "is_indexer_initialized", False) else stored_keys.shape[1]
+        if stored > 0:
+            if type(layer).update_indexer is not _dynamic_indexer_update():
+                raise ValueError(
+                    f"safepad: a cached call with padding after real tokens needs the indexer state of layer "
+                    f"{layer_idx} to be re-laid in place, which {type(layer).__name__} does not allow. Use a "
+                    "DynamicCache (the default), or pad on the left."
+                )
+            past_real = self.n_past.clamp(max=stored)
+            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real)  # [B, 1, S|T, F]
+            layer.indexer_keys, states = past[:, 0], new[:, 0]
+        return self.original(states, layer_idx, *args, **kwargs)
+
+
+def _dynamic_indexer_update():
+    from transformers import cache_utils
+
+    cls = getattr(cache_utils, "DynamicIndexedLayer", None)
+    return None if cls is None else cls.update_indexer
+
+
+def _justify_position_history(cache, n_past: Tensor, n_new: Tensor, T: int) -> None:
+    """Re-lay a cache layer's stored per-slot positions ``[K, B, S]`` (``indexer_position_ids``, Qwen4-Exp) now.
+
+    The model concatenates them with the chunk's positions before any layer runs, so they must be in the
+    justified layout before the forward; the stored slots' re-lay depends only on counts (:func:`justify_kv`).
+    """
+    for layer in getattr(cache, "layers", ()):
+        hist = getattr(layer, "indexer_position_ids", None)
+        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != n_past.shape[0]:
+            continue
+        S = hist.shape[-1]
+        h = hist.permute(1, 0, 2)[..., None]  # [B, K, S, 1]
+        past, _ = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), n_past.clamp(max=S), n_new)
+        layer.indexer_position_ids = past[..., 0].permute(1, 0, 2).contiguous()  # [K, B, S]
+
+
 class SlotJustifiedCall:
     """One model call's re-layout (see the module docstring): reorder inputs, rewrite the mask, re-lay the cache.
 
@@ -163,10 +216,15 @@ class SlotJustifiedCall:
         return x.gather(1, idx)
 
     def position_ids(self) -> Tensor:
-        """``[B, T]`` positions of the justified chunk: real tokens count on from the row's cached ones; pads 1."""
-        cur = justified_mask(self.n_new, self.T)  # [B, T]
-        pos = self.n_past[:, None] + cur.long().cumsum(1) - 1
-        return pos.masked_fill(~cur, 1)
+        """``[B, T]`` positions of the justified chunk's slots: real tokens count on from the row's cached ones.
+
+        The chunk's leading pad columns get the positions of the cached real tokens that the re-lay moves into
+        those slots (a pad query's position changes no real output; a moved key keeps its own), others 1.
+        """
+        full = self.mask[:, -self.T :]  # [B, T] real slots of the chunk's columns after the re-lay
+        before = self.n_past + self.n_new - full.sum(1)  # [B] real slots before the chunk's columns
+        pos = before[:, None] + full.long().cumsum(1) - 1
+        return pos.masked_fill(~full, 1)
 
     def install(self, cache) -> None:
         """Route ``cache.update`` through the re-lay for this call (only when the cached slots must move)."""
@@ -177,10 +235,14 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
+        _justify_position_history(cache, self.n_past, self.n_new, self.T)
         cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
+        if hasattr(type(cache), "update_indexer"):
+            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new)
         self._cache = cache
 
     def uninstall(self) -> None:
         if self._cache is not None:
             self._cache.__dict__.pop("update", None)
+            self._cache.__dict__.pop("update_indexer", None)
             self._cache = None

@@ -43,7 +43,9 @@ def check_slot_log_scaling(module: nn.Module, layout: torch.Tensor) -> None:
 
 
 def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, slot_log_scaling: bool = False) -> MixerSpec:
-    # Inkling's log scaling reads query slots too (Inkling2's reads position_ids): refuse the layouts it cannot serve
+    # relative positions (and sliding windows) count cache slots: every family's cached calls keep each row's real
+    # tokens contiguous at the end of the cache (safepad.layout.slots). Inkling's log scaling reads query slots
+    # too (Inkling2's reads position_ids): refuse the layouts it cannot serve
     slot_check = {"slot_check": check_slot_log_scaling} if slot_log_scaling else {}
     return MixerSpec(
         model_type=model_type,
@@ -55,9 +57,6 @@ def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, sl
                 "residual_scale": scale,
                 # the dynamic class has no conv1d child: no accelerate hook forcing
                 "accelerate_children": (),
-                # relative positions (and sliding windows) counted in cache slots: cached calls keep each row's
-                # real tokens contiguous at the end of the cache (safepad.layout.slots)
-                "slot_positions": True,
                 **slot_check,
             }
         ),

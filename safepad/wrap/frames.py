@@ -19,7 +19,13 @@ from ..context import boundaries_from_kwargs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BOUNDARY_INPUTS", "boundaries_of_enclosing_call", "check_enclosing_call_at_trace", "inside_generate"]
+__all__ = [
+    "BOUNDARY_INPUTS",
+    "boundaries_of_enclosing_call",
+    "check_enclosing_call_at_trace",
+    "generate_frame",
+    "inside_generate",
+]
 
 #: code objects of ``nn.Module.__call__``'s frames: their ``args`` / ``kwargs`` locals are a module call's inputs
 _CALL_CODES = frozenset(
@@ -81,16 +87,21 @@ def boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], posi
 def inside_generate() -> bool:
     """Is this model call made by transformers' ``generate()`` (a ``generate`` frame of ``transformers.generation``
     a few frames up the stack)?"""
+    return generate_frame() is not None
+
+
+def generate_frame():
+    """The frame of the transformers ``generate()`` call that makes this model call, or None (identifies the call)."""
     frame = sys._getframe(2)
     for _ in range(_MAX_FRAMES * 2):
         if frame is None:
-            return False
+            return None
         if frame.f_code.co_name == "generate" and str(frame.f_globals.get("__name__", "")).startswith(
             "transformers.generation"
         ):
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
 
 
 @torch.compiler.assume_constant_result

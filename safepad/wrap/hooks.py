@@ -39,10 +39,10 @@ from ..context import (
     multi_sequence,
     position_ids_from_seq_idx,
 )
-from ..layout.masks import is_right_padded
+from ..layout.masks import check_mask_values, is_right_padded
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
-from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace, inside_generate
+from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .slot_calls import slot_justify, slot_restore
 
 __all__ = ["install_model_hooks"]
@@ -67,9 +67,6 @@ def install_model_hooks(model: nn.Module) -> None:
             "params": tuple(params),
             "hybrid": any(s.hybrid for s in specs),
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
-            # attention that measures positions in cache slots (Inkling): cached calls keep each row's real
-            # tokens contiguous at the end of the cache (safepad.layout.slots)
-            "slot_positions": any(s.options.get("slot_positions", False) for s in specs),
             # a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
             "slot_checks": tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
             # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
@@ -138,23 +135,12 @@ class _ModelPreHook:
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
-        given = _two_d_mask(kwargs.get("attention_mask"))  # the caller's (a slot-justified call replaces it below)
-        if (
-            isinstance(given, torch.Tensor) and given.dim() == 2 and T > 1
-            and bool((given[:, -1] == 0).any()) and inside_generate()
-        ):
-            row = int((given[:, -1] == 0).nonzero()[0])
-            raise ValueError(
-                f"generate() with a right-padded batch (row {row} of attention_mask ends in padding): generate picks "
-                "each row's next token from the logits of its LAST column, which is a pad there, so that row's "
-                "continuation would be wrong (the recurrent cache itself is right). Pad on the left "
-                "(tokenizer.padding_side = 'left') for generate()."
-            )
-        token_mask = None
-        if info["slot_positions"]:
-            args, kwargs = slot_justify(module, info, args, kwargs, B, T)
-            record = module._safepad_slot_calls[-1]
-            token_mask = record.call.token_mask if record is not None and record.call is not None else None
+        check_mask_values(_two_d_mask(kwargs.get("attention_mask")))
+        # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
+        args, kwargs = slot_justify(module, info, args, kwargs, B, T)
+        T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut (slot_calls)
+        record = module._safepad_slot_calls[-1]
+        token_mask = record.call.token_mask if record is not None and record.call is not None else None
         mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
         position_ids = kwargs.get("position_ids")

@@ -1,9 +1,14 @@
-"""Slot-justified cached calls, for families whose attention counts positions in cache slots (``slot_positions``).
+"""Slot-justified cached calls, for every family: cached rows stay ``[pads | real tokens]``.
 
-The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding is
-re-laid so every cached row stays ``[pads | real tokens]`` (:class:`~safepad.layout.slots.SlotJustifiedCall`),
-and the post-hook puts the outputs back in the caller's order. A spec may add a ``slot_check(module, layout)``
-option that refuses layouts its attention cannot serve (Inkling's log scaling: ``safepad.specs.inkling_family``).
+The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding after
+real tokens is re-laid so every cached row stays ``[pads | real tokens]`` (the left-padded layout stock produces;
+:class:`~safepad.layout.slots.SlotJustifiedCall`): sliding windows, slot-relative positions and selected key
+slots then see real tokens only, and a row's last real token is its last column. The post-hook puts the outputs
+back in the caller's order, except inside ``generate()``, which reads each row's next token from the last column.
+Cached calls also get each token's real position when the caller gives none (the cached real tokens plus
+``cumsum(mask) - 1``; ``cache length + arange`` without padding), and inside ``generate()`` the mask decides the
+2-D positions. A spec may add a ``slot_check(module, layout)`` option that refuses layouts its attention cannot
+serve (Inkling's log scaling: ``safepad.specs.inkling_family``).
 """
 
 from __future__ import annotations
@@ -12,23 +17,31 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
-from ..cache import CACHE_NAMES
+from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
+from .frames import generate_frame
 
 __all__ = ["SlotRecord", "slot_justify", "slot_restore"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
+#: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
+_SHIFT_ATTR = "_safepad_position_shift"
 
 
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("call", "keep", "padded", "shape")
+    __slots__ = ("call", "keep", "padded", "restore", "shape", "shift")
 
-    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool):
+    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
+                 restore: bool = True):
         self.call, self.shape, self.keep, self.padded = call, shape, keep, padded
+        # False inside generate(): it reads each row's next token from the LAST column, which the justified
+        # layout makes the row's last real token
+        self.restore = restore
+        self.shift = None  # [K, B, 1] position shift to keep with the cache (stacked positions in generate)
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -48,7 +61,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
     mask = _arg(args, kwargs, params, "attention_mask")
-    past_len = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+    past_len = _past_length(cache)
     flagged = bool(getattr(cache, _PADDED_FLAG, False))
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
         if flagged and past_len > 0 and mask is None:
@@ -57,9 +70,17 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 "Pass the full-length attention_mask (the cached tokens plus the new ones, as generate() does) so "
                 "that the pads stay masked."
             )
+        if mask is None and wanted:
+            return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
         return args, kwargs
+    generating = generate_frame()
+    if generating is not None and wanted and past_len > 0 and mask.shape[1] == T > past_len:
+        # generate() continuing from a cache without attention layers hands in the whole sequence (transformers
+        # slices off the cached tokens only for attention caches): run the new ones only
+        (args, kwargs), T = _drop_cached_prefix(info, args, kwargs, B, T, past_len), T - past_len
     m = mask.to(torch.bool)
-    if not wanted:
+    if not wanted or (module.training and not explicit):
+        # no cache, or only the config default's in a training step (nobody reads it): the caller's layout
         for check in info["slot_checks"]:
             check(module, m[:, -T:])
         return args, kwargs
@@ -70,16 +91,43 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 f"tokens and the call brings {T}: with padding, pass the full-length mask (cached tokens plus new "
                 f"ones, {past_len + T} columns), as generate() does"
             )
-        return args, kwargs
+        return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
+    if bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
+        return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     call = SlotJustifiedCall(m, past_len)
     for check in info["slot_checks"]:
         check(module, call.mask)
-    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()))
+    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=generating is None)
     module._safepad_slot_calls[-1] = record
-    if call.noop:
+    position_ids = _arg(args, kwargs, params, "position_ids")
+    # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
+    # generate the mask decides the positions (they equal generate's own wherever those are right)
+    # (a multimodal-rotary model computes missing positions from its own inputs: only 2-D text ones are replaced)
+    replace_positions = info["accepts_position_ids"] and (
+        (position_ids is None and not _mrope(module))
+        or (generating is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
+    )
+    # [K, B, T] positions (multimodal rotary, e.g. text + 3 M-RoPE axes): generate() extends them from the last
+    # column too; the shift of each row's last real token from its last column is kept with the cache
+    # (only within the generate() call that extends them: a later one computes them from the mask again)
+    stacked = (
+        generating is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3
+        and position_ids.shape[1] in (1, B) and position_ids.shape[2] == T
+    )
+    kept = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
+    shift = kept[1] if kept is not None and kept[0] is generating else None
+    if stacked and shift is None and bool((~m[:, -1]).any()):
+        record.shift = (generating, _last_real_shift(position_ids, m[:, -T:]))
+    if call.noop and shift is None and not (replace_positions and (past_len > 0 or generating is not None)):
         return args, kwargs
     named = dict(zip(params, args))  # every argument by name from here on
     named.update(kwargs)
+    if replace_positions:
+        named["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
+    elif shift is not None:
+        named["position_ids"] = position_ids + shift.to(position_ids.device)
+    if call.noop:
+        return (), named
     if named.get("labels") is not None:
         if explicit:
             raise ValueError(
@@ -89,22 +137,92 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
             )
         if "use_cache" in params or info["var_kwargs"]:
             named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
+        if position_ids is None:
+            named.pop("position_ids", None)
         record.padded = False
         return (), named
     for name, value in list(named.items()):
         if name in ("attention_mask", "labels") or not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
+        if name == "position_ids" and replace_positions:
+            continue  # already in the justified order
+        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and value.shape[1] in (1, B):
+            named[name] = call.reorder(value.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
+            continue
         if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
             named[name] = call.reorder(value)
     named["attention_mask"] = call.mask.to(mask.dtype)
-    if named.get("position_ids") is None and info["accepts_position_ids"]:
-        named["position_ids"] = call.position_ids().to(mask.device)
     keep = named.get("logits_to_keep")
     if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
         named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
         record.keep = keep
     call.install(cache)
     record.call = call
+    return (), named
+
+
+def _past_length(cache) -> int:
+    """Tokens the cache holds; 0 for a recurrent-only cache safepad has not counted yet (``CachePreHook``, which
+    runs after this hook, starts counting it or raises when it cannot)."""
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:
+        if recurrent_only(cache):
+            return 0
+        raise
+
+
+def _drop_cached_prefix(info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
+    """Every ``[B, T, ...]`` input but the mask cut to its last ``T - past_len`` tokens (``[K, B, T]`` ones too)."""
+    named = dict(zip(info["params"], args))
+    named.update(kwargs)
+    for name, value in list(named.items()):
+        if name == "attention_mask" or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if value.shape[1] == T and value.shape[0] in (1, B):
+            named[name] = value[:, past_len:]
+        elif name == "position_ids" and value.dim() == 3 and value.shape[2] == T:
+            named[name] = value[..., past_len:]
+    return (), named
+
+
+def _last_real_shift(position_ids: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """``[K, B, 1]``: per row, the positions of its last real token minus those of its last column.
+
+    ``position_ids`` ``[K, B, T]`` (or ``[K, 1, T]``), ``cur`` ``[B, T]`` bool (True = real). Rows without a real
+    token get 0.
+    """
+    B, T = cur.shape
+    pos = position_ids.expand(position_ids.shape[0], B, T)
+    last = (cur.long() * torch.arange(1, T + 1, device=cur.device)).argmax(1)  # [B]: index of the last real token
+    idx = last.to(pos.device)[None, :, None].expand(pos.shape[0], B, 1)
+    shift = pos.gather(2, idx) - pos[..., -1:]
+    return shift * cur.any(1).to(shift.dtype)[None, :, None].to(shift.device)
+
+
+def _mrope(module: nn.Module) -> bool:
+    """Multimodal rotary positions (``[3, B, T]``, computed by the model from its inputs): never synthesised here."""
+    rope = text_config_value(module, "rope_parameters", None) or text_config_value(module, "rope_scaling", None)
+    return isinstance(rope, dict) and any(k.startswith("mrope") for k in rope)
+
+
+def _with_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
+    """A cached call without padding and without ``position_ids``: positions ``past_len + arange(T)``.
+
+    Some families (Bamba in transformers 5.24) restart their rotary positions at 0 on every call when
+    ``position_ids`` are not given, so a chunked prefill or a decode step would see the wrong distances.
+    """
+    params = info["params"]
+    if past_len == 0 or not info["accepts_position_ids"] or _mrope(module):
+        return args, kwargs
+    if _arg(args, kwargs, params, "position_ids") is not None:
+        return args, kwargs
+    ids = next((v for n in ("input_ids", "inputs_embeds") if isinstance(v := _arg(args, kwargs, params, n), torch.Tensor)), None)
+    named = dict(zip(params, args))
+    named.update(kwargs)
+    named["position_ids"] = (past_len + torch.arange(T, device=ids.device))[None].expand(B, T)
     return (), named
 
 
@@ -116,7 +234,9 @@ def slot_restore(record: SlotRecord, output):
     if output is None:  # the forward raised
         return None
     cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
-    if record.padded and cache is not None:
+    if record.shift is not None and cache is not None:
+        setattr(cache, _SHIFT_ATTR, record.shift)
+    if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
     if call is None or call.order is None:
         return None
@@ -124,7 +244,8 @@ def slot_restore(record: SlotRecord, output):
 
     def fix(v, name=""):
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
-            v = call.restore(v)
+            if record.restore:
+                v = call.restore(v)
             if name == "logits" and record.keep is not None:
                 v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
             return v

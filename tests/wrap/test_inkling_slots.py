@@ -233,12 +233,3 @@ def test_inkling_log_scaling_exact_below_the_floor_and_raises_past_it():
     assert _errors(stock, ids, mask, s_logits, None, None, []) > 1e-3
     with pytest.raises(ValueError, match="log_scaling_n_floor"):
         _run_chunks(wrapped, ids, mask, [0, 9])
-
-
-@torch.no_grad()
-def test_generate_with_right_padding_still_raises(models):
-    """generate() reads each row's LAST column: a right-padded prompt stays an error (the re-layout does not hide it)."""
-    family, _, wrapped = models
-    ids, mask, _ = _batch((3, 6), 6, seed=17)
-    with pytest.raises(ValueError, match="right-padded batch"):
-        wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)

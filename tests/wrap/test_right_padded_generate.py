@@ -1,0 +1,247 @@
+"""generate() on right-padded (and mixed-side) batches: every row's continuation is that prompt's alone.
+
+The wrapped model keeps every cached row ``[pads | real tokens]`` (``safepad.layout.slots``), so generate's
+"last column" is each row's last real token. Reference: the stock model run on each row's own sequence alone
+(no padding, no cache), one forward per row covering the whole generated continuation:
+
+* greedy / ``return_dict_in_generate`` + ``output_scores`` / ``output_logits``: every step's logits and scores of
+  the row equal the reference's at that position, and each token is the reference's argmax;
+* sampling: a batched draw shares one random stream over the rows, so a row alone with the same seed may draw
+  other tokens. Each step's raw logits of the row (``output_logits``) are compared with the reference's on the
+  row's *own* sampled prefix: every sampling distribution equals the one of the prompt alone;
+* beam search and beam sample (``num_return_sequences`` > 1): temperature 1, no top-k, ``length_penalty=0`` and
+  ``min_new_tokens = max_new_tokens``, so each returned ``sequences_scores`` is the plain sum of the
+  reference's log-probabilities of that sequence's tokens; beam search also returns exactly the beams of the
+  stock model run on the prompt alone;
+* ``inputs_embeds``, ``logits_to_keep`` and a second generate() continuing from the returned cache.
+
+The stock model fails every one of these on the padded rows (checked in ``test_stock_model_is_wrong``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+
+import pytest
+import torch
+
+import safepad
+from safepad.cache import cache_argument, output_cache
+from safepad.testing.tiny import EXTRA_FAMILIES, FAMILIES, NEW_FAMILIES, family_available, tiny_model
+
+TOL = 1e-4
+N_NEW = 4
+LENS = (7, 4, 5)
+#: families whose stock single-token decode skips the dt clamp (README): the stock beam reference runs with an
+#: unbounded dt limit there, so that it is exact
+_UNCLAMPED = {"nemotron_h": "time_step_limit", "zamba2": "time_step_limit"}
+#: every mode on one family per mixer / cache kind; greedy (with scores) on every family
+_ALL_MODES = ("nemotron_h", "mamba", "jamba", "qwen3_next", "lfm2", "lfm3", "inkling_text", "qwen4_exp")
+
+
+def _param(family: str):
+    ok, why = family_available(family)
+    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_transformers():
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "right-padding was detected" on every call here
+    yield
+    log.setLevel(level)
+
+
+_MODELS: dict[str, tuple] = {}
+
+
+def _models(family: str):
+    """(stock, wrapped copy), built once per family."""
+    if family not in _MODELS:
+        stock = tiny_model(family)
+        _MODELS.clear()  # one family at a time in memory
+        _MODELS[family] = (stock, safepad.wrap(copy.deepcopy(stock), backend="torch"))
+    return _MODELS[family]
+
+
+def _batch(side: str, seed: int = 4):
+    """Prompts and their ``[B, T]`` batch: ``right`` padded, or ``mixed`` (unpadded, right, pads on both sides)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 250, (n,), generator=g) for n in LENS]
+    T = max(LENS) + (2 if side == "mixed" else 0)
+    ids = torch.zeros(len(LENS), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        start = (T - len(p), 0, 1)[i] if side == "mixed" else 0  # mixed: left-padded, right-padded, both sides
+        ids[i, start : start + len(p)], mask[i, start : start + len(p)] = p, 1
+    return prompts, ids, mask
+
+
+def _gen_kwargs(**kw):
+    return dict(max_new_tokens=N_NEW, pad_token_id=0, return_dict_in_generate=True, **kw)
+
+
+@torch.no_grad()
+def _alone(stock, seq: torch.Tensor) -> torch.Tensor:
+    """``[L, V]`` logits of ``seq`` ``[L]`` run alone through the stock model (no padding, no cache)."""
+    return stock(input_ids=seq[None], use_cache=False).logits[0].float()
+
+
+def _new_tokens(out, T: int) -> torch.Tensor:
+    return out.sequences[:, T:]
+
+
+def _until_eos(tokens: torch.Tensor, eos: int | None) -> int:
+    """How many of ``tokens`` ``[N]`` generate really produced (up to and including the first EOS)."""
+    if eos is None:
+        return tokens.numel()
+    hits = (tokens == eos).nonzero()
+    return tokens.numel() if hits.numel() == 0 else int(hits[0]) + 1
+
+
+def _step_errors(stock, prompts, out, T: int, per_prompt: int = 1, fields=("logits",), greedy: bool = True) -> float:
+    """Max |Δ| of every row's per-step ``fields`` against the stock model on the row's own sequence alone
+    (``greedy``: each token is also the reference's argmax)."""
+    eos = stock.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    new = _new_tokens(out, T)
+    err = 0.0
+    for r in range(new.shape[0]):
+        p = prompts[r // per_prompt]
+        n = _until_eos(new[r], eos)
+        ref = _alone(stock, torch.cat([p, new[r, :n]]))[len(p) - 1 : len(p) - 1 + n]  # [n, V]
+        for name in fields:
+            got = torch.stack([step[r] for step in getattr(out, name)[:n]]).float()  # [n, V]
+            err = max(err, (got - ref).abs().max().item())
+        if greedy:
+            assert torch.equal(new[r, :n], ref.argmax(-1)), (r, new[r, :n], ref.argmax(-1))
+    return err
+
+
+def _sequence_log_prob(stock, prompt: torch.Tensor, tokens: torch.Tensor) -> float:
+    logp = torch.log_softmax(_alone(stock, torch.cat([prompt, tokens]))[len(prompt) - 1 : -1].double(), -1)
+    return logp.gather(1, tokens[:, None]).sum().item()
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("side", ["right", "mixed"])
+@pytest.mark.parametrize("family", [_param(f) for f in FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES])
+def test_greedy_with_scores_equals_each_prompt_alone(family, side):
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch(side)
+    out = wrapped.generate(
+        input_ids=ids, attention_mask=mask, **_gen_kwargs(do_sample=False, output_scores=True, output_logits=True)
+    )
+    assert _step_errors(stock, prompts, out, ids.shape[1], fields=("scores", "logits")) < TOL
+
+
+def _all_modes(fn):
+    return pytest.mark.parametrize("family", [_param(f) for f in _ALL_MODES])(fn)
+
+
+@torch.no_grad()
+@_all_modes
+def test_sampling_distributions_equal_each_prompt_alone(family):
+    """Sampling (``num_return_sequences=2``): each draw's distribution is the prompt's alone, on its own prefix."""
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch("right")
+    torch.manual_seed(0)
+    out = wrapped.generate(
+        input_ids=ids, attention_mask=mask,
+        **_gen_kwargs(do_sample=True, temperature=0.7, top_k=20, num_return_sequences=2, output_logits=True),
+    )
+    assert out.sequences.shape[0] == 2 * len(prompts)
+    assert _step_errors(stock, prompts, out, ids.shape[1], per_prompt=2, fields=("logits",), greedy=False) < TOL
+
+
+def _beam_kwargs(do_sample: bool):
+    return _gen_kwargs(
+        num_beams=3, num_return_sequences=2, do_sample=do_sample, output_scores=True, length_penalty=0.0,
+        min_new_tokens=N_NEW, temperature=1.0, top_k=None, top_p=None,
+    )
+
+
+@torch.no_grad()
+@_all_modes
+@pytest.mark.parametrize("do_sample", [pytest.param(False, id="beam_search"), pytest.param(True, id="beam_sample")])
+def test_beams_equal_each_prompt_alone(family, do_sample):
+    """Beam search / beam sample: each returned beam's score is its log-probability under the prompt alone;
+    beam search returns the stock beams of the prompt alone."""
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch("right")
+    torch.manual_seed(1)
+    out = wrapped.generate(input_ids=ids, attention_mask=mask, **_beam_kwargs(do_sample))
+    new = _new_tokens(out, ids.shape[1])
+    assert new.shape == (2 * len(prompts), N_NEW)
+    for r in range(new.shape[0]):
+        want = _sequence_log_prob(stock, prompts[r // 2], new[r])
+        assert abs(out.sequences_scores[r].item() - want) < 1e-3, (r, out.sequences_scores[r].item(), want)
+    if do_sample:
+        return
+    ref_model = stock
+    if family in _UNCLAMPED:  # an exact stock decode for the reference beams
+        ref_model = tiny_model(family, **{_UNCLAMPED[family]: (0.0, float("inf"))})
+    for i, p in enumerate(prompts):
+        alone = ref_model.generate(input_ids=p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   **_beam_kwargs(False))
+        assert torch.equal(new[2 * i : 2 * i + 2], _new_tokens(alone, len(p))), f"row {i}"
+
+
+@torch.no_grad()
+@_all_modes
+@pytest.mark.parametrize("keep", [pytest.param(None, id="default"), pytest.param(0, id="keep_all")])
+def test_logits_to_keep(family, keep):
+    """generate() asks for the last column only (``logits_to_keep=1``) unless told otherwise: both are right."""
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch("right")
+    extra = {} if keep is None else {"logits_to_keep": keep}
+    out = wrapped.generate(input_ids=ids, attention_mask=mask, **_gen_kwargs(do_sample=False, output_logits=True),
+                           **extra)
+    assert _step_errors(stock, prompts, out, ids.shape[1], fields=("logits",)) < TOL
+
+
+@torch.no_grad()
+@_all_modes
+def test_inputs_embeds(family):
+    stock, wrapped = _models(family)
+    if "inputs_embeds" not in inspect.signature(stock.prepare_inputs_for_generation).parameters:
+        pytest.skip(f"{type(stock).__name__}.generate() takes no inputs_embeds (transformers refuses them)")
+    prompts, ids, mask = _batch("right")
+    embeds = wrapped.get_input_embeddings()(ids)
+    out = wrapped.generate(inputs_embeds=embeds, attention_mask=mask, **_gen_kwargs(do_sample=False, output_logits=True))
+    assert out.sequences.shape[1] == N_NEW  # only the new tokens come back
+    assert _step_errors(stock, prompts, out, 0, fields=("logits",)) < TOL
+
+
+@torch.no_grad()
+@_all_modes
+def test_continue_from_the_returned_cache(family):
+    """A second generate() on the returned sequences, full mask and cache: the rows go on as alone."""
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch("right")
+    first = wrapped.generate(input_ids=ids, attention_mask=mask, **_gen_kwargs(do_sample=False, output_logits=True))
+    cache = output_cache(first)
+    assert cache is not None
+    seqs = first.sequences
+    full = torch.cat([mask, torch.ones(len(prompts), N_NEW, dtype=mask.dtype)], dim=1)
+    second = wrapped.generate(input_ids=seqs, attention_mask=full, **{cache_argument(wrapped): cache},
+                              **_gen_kwargs(do_sample=False, output_logits=True))
+    T = ids.shape[1]
+    joined = [torch.cat([p, seqs[i, T:]]) for i, p in enumerate(prompts)]
+    assert _step_errors(stock, joined, second, seqs.shape[1], fields=("logits",)) < TOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "mamba", "qwen3_next", "lfm3")])
+def test_stock_model_is_wrong(family):
+    """The same right-padded greedy generate() on the stock model: the padded rows go wrong."""
+    stock, _ = _models(family)
+    prompts, ids, mask = _batch("right")
+    out = stock.generate(input_ids=ids, attention_mask=mask, **_gen_kwargs(do_sample=False, output_logits=True))
+    assert _step_errors(stock, prompts, out, ids.shape[1], fields=("logits",), greedy=False) > 1e-2
