@@ -33,7 +33,7 @@ class _Recompiles(logging.Handler):
 
 
 def _compiled_generations(model):
-    """(recompile count, sequences of two compiled generations, the same generations eager)."""
+    """(recompile count, sequences of two compiled generations, the same generations eager, cache class names)."""
     torch.compiler.reset()
     for attr in ("_compiled_call", "_last_compile_config"):
         model.__dict__.pop(attr, None)
@@ -48,17 +48,17 @@ def _compiled_generations(model):
     torch._logging.set_logs(recompiles=True)
     log.addHandler(handler)
     try:
-        compiled = []
+        compiled, classes = [], []
         for ids in inputs:
             out = model.generate(input_ids=ids, cache_implementation="static", compile_config=cc, **kw)
             assert hasattr(model, "_compiled_call"), "generate did not compile the forward"
-            assert type(out.past_key_values).__name__ == "StaticCache", type(out.past_key_values)
+            classes.append(type(out.past_key_values).__name__)
             compiled.append(out.sequences)
     finally:
         log.removeHandler(handler)
         torch._logging.set_logs()
         torch.compiler.reset()
-    return handler.count, compiled, eager
+    return handler.count, compiled, eager, classes
 
 
 @pytest.mark.slow
@@ -67,10 +67,11 @@ def test_compiled_generate_recompiles_no_more_than_stock(family):
     stock, wrapped, _ = models(family)
     if not type(stock)._can_compile_fullgraph:
         pytest.skip(f"{type(stock).__name__} does not declare _can_compile_fullgraph")
-    n_stock, comp_s, eager_s = _compiled_generations(stock)
-    n_wrapped, comp_w, eager_w = _compiled_generations(wrapped)
+    n_stock, comp_s, eager_s, cls_s = _compiled_generations(stock)
+    n_wrapped, comp_w, eager_w, cls_w = _compiled_generations(wrapped)
+    assert n_wrapped <= n_stock, f"wrapped recompiled {n_wrapped} times, stock {n_stock}"
+    assert cls_w == cls_s == ["StaticCache"] * 2, (cls_w, cls_s)  # the class generate built, not a subclass
     for a, b in zip(comp_s, eager_s):
         assert torch.equal(a, b)
     for a, b, c in zip(comp_w, eager_w, eager_s):
         assert torch.equal(a, b) and torch.equal(b, c)
-    assert n_wrapped <= n_stock, f"wrapped recompiled {n_wrapped} times, stock {n_stock}"
