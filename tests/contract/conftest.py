@@ -19,7 +19,8 @@ import collections
 import copy
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def contract(family: str, name: str, prop: Callable) -> None:
         ) from w
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not OUTCOMES:
         return
     per = collections.defaultdict(collections.Counter)

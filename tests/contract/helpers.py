@@ -33,10 +33,18 @@ def banned(model) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+#: row-alone references, per reference model (built once per session) and row: many properties share prompts
+_ALONE: dict[tuple[int, tuple[int, ...]], Tensor] = {}
+
+
 @torch.no_grad()
 def logits_alone(ref, row: Tensor) -> Tensor:
-    """``[L]`` ids alone through the stock model, full forward without cache -> ``[L, V]`` float logits."""
-    return ref(input_ids=row[None], use_cache=False).logits[0].float()
+    """``[L]`` ids alone through the stock model, full forward without cache -> ``[L, V]`` float logits
+    (memoised per reference model and row; do not modify the result)."""
+    key = (id(ref), tuple(row.tolist()))
+    if key not in _ALONE:
+        _ALONE[key] = ref(input_ids=row[None], use_cache=False).logits[0].float()
+    return _ALONE[key]
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ def continue_from_past_key_values(model, ref):
     """
     rows = prompts((6, 4), seed=4)
     ids, mask = pad(rows, "left")
-    kw = dict(do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    kw = {"do_sample": False, "return_dict_in_generate": True, "pad_token_id": 0}
     first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, **kw)
     cache = _gen_cache(first)
     assert cache is not None, "generate returned no cache"

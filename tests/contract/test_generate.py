@@ -50,8 +50,9 @@ def greedy_dict_scores_logits(model, ref):
 
 @torch.no_grad()
 def greedy_cache_equals_no_cache(model, ref):
-    rows, ids, mask = _batch()
-    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    _, ids, mask = _batch()
+    kw = {"input_ids": ids, "attention_mask": mask, "do_sample": False, "return_dict_in_generate": True,
+          "output_scores": True}  # fmt: skip
     a = model.generate(use_cache=True, **kw, **gen_kwargs())
     b = model.generate(use_cache=False, **kw, **gen_kwargs())
     assert torch.equal(a.sequences, b.sequences)
