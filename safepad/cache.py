@@ -40,6 +40,7 @@ __all__ = [
     "cache_argument",
     "cache_from_kwargs",
     "fresh_cache_is_recurrent_only",
+    "needs_token_count",
     "new_tracked_cache",
     "output_cache",
     "read_states",
@@ -189,6 +190,25 @@ def fresh_cache_is_recurrent_only(config: Any) -> bool:
         return recurrent_only(DynamicCache(config=config))
     except Exception:  # noqa: BLE001 - a config transformers cannot build a cache from: nothing to track
         return False
+
+
+def needs_token_count(model: Any) -> bool:
+    """Whether ``model`` (a wrapped model's top-level module) needs safepad's token count (:func:`track_seq_length`).
+
+    Only a model whose fresh cache has no attention layer *and* whose forward takes ``position_ids`` asks
+    such a cache for its length: its forward derives positions (and builds masks) from it, and ``generate``
+    derives ``position_ids`` from it. A forward without ``position_ids`` (Mamba, Mamba2, FalconMamba) never
+    asks, and neither does ``generate`` for it (it skips the length of an all-linear cache), so such a model
+    keeps the caller's and stock's cache classes (``DynamicCache``, ``StaticCache``) untouched, with no
+    Python-int count that a compiled forward would guard on.
+    """
+    if not fresh_cache_is_recurrent_only(_config_of(model)):
+        return False
+    forward = getattr(model, "forward", None)
+    try:
+        return "position_ids" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return True
 
 
 class _TracksSeqLength:

@@ -15,6 +15,7 @@ from safepad.cache import (
     CACHE_NAMES,
     cache_argument,
     fresh_cache_is_recurrent_only,
+    needs_token_count,
     new_tracked_cache,
     output_cache,
     recurrent_only,
@@ -110,6 +111,27 @@ def test_recurrent_only_is_decided_by_the_cache_layers():
     assert fresh_cache_is_recurrent_only(tiny_model("nemotron_h", layers_block_type=PURE).config)
     assert not fresh_cache_is_recurrent_only(tiny_model("nemotron_h").config)  # has an attention layer
     assert fresh_cache_is_recurrent_only(tiny_model("mamba2").config)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "expected"),
+    [
+        pytest.param("nemotron_h", {"layers_block_type": PURE}, True, id="pure_nemotron_h-asks"),
+        pytest.param("nemotron_h", {}, False, id="hybrid-attention_answers"),
+        pytest.param("mamba2", {}, False, id="mamba2-never_asks"),
+        pytest.param("mamba", {}, False, id="mamba-never_asks"),
+        pytest.param("falcon_mamba", {}, False, id="falcon_mamba-never_asks"),
+    ],
+)
+def test_token_count_only_where_the_model_asks_the_cache_for_its_length(family, overrides, expected):
+    """mamba / mamba2 / falcon_mamba take no position_ids, so neither their forward nor generate asks a cache
+    for its length: wrapped, they keep DynamicCache / StaticCache (issue 21 item 3), with no count to guard on."""
+    model = tiny_model(family, **overrides)
+    assert needs_token_count(model) is expected
+    wrapped = safepad.wrap(model)
+    with torch.no_grad():
+        out = wrapped(input_ids=torch.randint(3, 200, (1, 5)), use_cache=True)
+    assert (type(output_cache(out)).__name__ == "SafepadLengthDynamicCache") is expected
 
 
 def test_tracked_cache_counts_and_a_prefilled_one_says_why_it_cannot():

@@ -12,6 +12,7 @@ always gathered by the torch code here (an exact gather, not a computation), so 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -34,7 +35,8 @@ __all__ = [
     "ConvArgs", "causal_conv1d", "causal_conv1d_step", "check_causal_conv1d_args", "conv_states_from_inputs",
 ]
 
-_ACTIVATIONS = (None, "silu", "swish")
+#: the activations causal-conv1d's kernels implement (``None`` = identity); every other one runs on the torch core
+_KERNEL_ACTIVATIONS = (None, "silu", "swish")
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -48,9 +50,29 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be 'auto', 'torch' or 'kernels', got {backend!r}")
 
 
-def _check_activation(activation: str | None) -> None:
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+def _check_activation(activation: str | Callable[[Tensor], Tensor] | None) -> None:
+    """``None``, a callable, or a name of transformers' ``ACT2FN`` (what the stock mixers apply after their conv)."""
+    if activation in _KERNEL_ACTIVATIONS or callable(activation):
+        return
+    if isinstance(activation, str):
+        from transformers.activations import ACT2FN
+
+        if activation in ACT2FN:
+            return
+        names = ", ".join(sorted(ACT2FN))
+        raise ValueError(f"activation must be None, a callable or one of transformers' ACT2FN names ({names}), got {activation!r}")
+    raise ValueError(f"activation must be None, a callable or an activation name, got {type(activation).__name__}")
+
+
+def _activation_fn(activation: str | Callable[[Tensor], Tensor] | None) -> Callable[[Tensor], Tensor] | None:
+    """The function the torch core applies after the conv: ``None`` for none and for silu (fused in the core)."""
+    if activation in _KERNEL_ACTIVATIONS:
+        return None
+    if callable(activation):
+        return activation
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[activation]  # same math as the stock mixers' ``ACT2FN[self.activation]``
 
 
 def _dilated(weight: Tensor, dilation: int) -> Tensor:
@@ -65,8 +87,11 @@ def _dilated(weight: Tensor, dilation: int) -> Tensor:
     return torch.cat([weight.unsqueeze(-1), zeros], dim=-1).reshape(D, K * dilation)[:, : (K - 1) * dilation + 1]
 
 
-def _activate(y: Tensor, activation: str | None) -> Tensor:
-    return F.silu(y) if activation in ("silu", "swish") else y
+def _activate(y: Tensor, activation: str | Callable[[Tensor], Tensor] | None) -> Tensor:
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    fn = _activation_fn(activation)
+    return y if fn is None else fn(y)
 
 
 def _check_token_mask(token_mask: Tensor | None, B: int, T: int) -> Tensor | None:
@@ -346,7 +371,12 @@ _causal_conv_op.register_autograd(_causal_conv_backward, setup_context=_causal_c
 
 
 def _conv_torch(
-    x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor | None, init: Tensor | None, activation: str | None
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    seq_idx: Tensor | None,
+    init: Tensor | None,
+    activation: str | Callable[[Tensor], Tensor] | None,
 ) -> Tensor:
     """Depthwise causal conv + activation. x ``[B, T, D]`` (already masked), init ``[B, D, K-1]`` | None."""
     Bsz, T, D = x.shape
@@ -357,9 +387,13 @@ def _conv_torch(
         seqp = torch.cat([seq_idx[:, :1].expand(Bsz, K - 1), seq_idx], dim=1)  # [B, K-1+T]; init = row's first seq
         same = torch.stack([seqp[:, k : k + T] == seq_idx for k in range(K - 1)])  # [K-1, B, T]
         same = same.unsqueeze(-1)  # [K-1, B, T, 1] bool (selection, not a multiply)
+    silu = activation in ("silu", "swish")
     if tracing():
-        return _causal_conv_traced(x, weight, bias, head, same, activation in ("silu", "swish"))
-    return _causal_conv_op(x, weight, bias, head, same, activation in ("silu", "swish"))[0]
+        y = _causal_conv_traced(x, weight, bias, head, same, silu)
+    else:
+        y = _causal_conv_op(x, weight, bias, head, same, silu)[0]
+    fn = _activation_fn(activation)  # any other activation (gelu, relu, ...) after the fused conv
+    return y if fn is None else fn(y)
 
 
 def _causal_conv_traced(
@@ -468,7 +502,8 @@ def causal_conv1d(
 
     Args:
         x: ``[B, T, D]``.
-        weight: ``[D, K]``; bias: ``[D]`` or ``None``; activation: ``None`` | ``"silu"`` | ``"swish"``.
+        weight: ``[D, K]``; bias: ``[D]`` or ``None``; activation: ``None``, ``"silu"`` / ``"swish"`` (the
+            kernel's), any other name of transformers' ``ACT2FN`` or a callable (those two on the torch core).
         seq_idx: ``[B, T]`` int32, non-decreasing per row; the window never reaches across a boundary.
         initial_state: ``[B, D, S]`` with ``S >= K - 1``, the previous inputs of each row (oldest first);
             only its last ``K - 1`` columns feed the conv, and only the row's FIRST sequence sees them.
@@ -506,7 +541,12 @@ def causal_conv1d(
 
     # causal_conv1d_fn takes seq_idx or an initial state, not both; its CUDA kernel takes widths 2..4, channels
     # in multiples of 8 (channel-last layout) and no float64
-    kernel_ok = not (seq_idx is not None and init_tail is not None) and _kernel_conv_ok(x, K)
+    # (and only the activations it implements: any other runs on the torch core, the same math)
+    kernel_ok = (
+        not (seq_idx is not None and init_tail is not None)
+        and _kernel_conv_ok(x, K)
+        and activation in _KERNEL_ACTIVATIONS
+    )
     if kernel_ok and kernels.use_kernels(x, weight, need=("causal_conv1d_fn",), backend=backend):
         x_k = x.contiguous().transpose(1, 2)  # [B, D, T] channel-last view (stride(1) == 1, stride(2) == D)
         if mask is not None:
@@ -527,8 +567,8 @@ def causal_conv1d(
         if backend == "kernels":  # use_kernels already raised unless kernel_ok is False
             raise ValueError(
                 "backend='kernels': causal_conv1d_fn cannot take seq_idx together with initial_state, and takes "
-                "only widths 2..4, channels in multiples of 8 and float32/float16/bfloat16; use backend='auto' to "
-                "route this call to the torch core"
+                "only widths 2..4, channels in multiples of 8, float32/float16/bfloat16 and the activations None, "
+                f"'silu' and 'swish' (got {activation!r}); use backend='auto' to route this call to the torch core"
             )
         y = _conv_torch(xc, w, b, seq_idx, init_tail, activation).to(x.dtype)
 
@@ -593,12 +633,13 @@ def causal_conv1d_step(
         and x.dtype in _KERNEL_DTYPES
         and conv_state.dtype == x.dtype == weight.dtype
         and not torch.is_grad_enabled()
+        and activation in _KERNEL_ACTIVATIONS
     )
     if backend == "kernels" and not expressible:
         raise ValueError(
             "backend='kernels': causal_conv1d_update needs conv_state with S >= K columns, a width K of 2..4, one "
-            "float32/float16/bfloat16 dtype for x, conv_state and weight, and no autograd (torch.no_grad()); use "
-            "backend='auto' otherwise"
+            "float32/float16/bfloat16 dtype for x, conv_state and weight, no autograd (torch.no_grad()) and the "
+            f"activation None, 'silu' or 'swish' (got {activation!r}); use backend='auto' otherwise"
         )
     if expressible and kernels.use_kernels(x, conv_state, weight, need=("causal_conv1d_update",), backend=backend):
         new_state = conv_state.clone()

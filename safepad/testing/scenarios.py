@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..cache import CACHE_NAMES, cache_argument, fresh_cache_is_recurrent_only, new_tracked_cache, output_cache
+from ..cache import CACHE_NAMES, cache_argument, needs_token_count, new_tracked_cache, output_cache
 
 logger = logging.getLogger(__name__)
 
@@ -308,10 +308,11 @@ class _ModelIO:
         return full_mask if self.declares_positions else None
 
     def fresh_cache(self) -> Any:
-        """None (the model builds its own cache), or, for a cache without attention layers, which stock
-        transformers cannot ask for its length, an empty one that counts its tokens (:mod:`safepad.cache`)."""
-        config = getattr(self.model, "config", None)
-        return new_tracked_cache(config) if fresh_cache_is_recurrent_only(config) else None
+        """None (the model builds its own cache), or, for a model that asks a cache without attention layers
+        for its length (which stock transformers cannot tell), an empty one that counts its tokens
+        (:func:`safepad.cache.needs_token_count`)."""
+        model = self.model
+        return new_tracked_cache(model.config) if needs_token_count(model) else None
 
 
 def cache_states(cache: Any) -> dict[str, Tensor]:

@@ -28,7 +28,7 @@ from ..cache import (
     SafepadGenerate,
     cache_argument,
     cache_post_hook,
-    fresh_cache_is_recurrent_only,
+    needs_token_count,
 )
 from ..context import (
     CallContext,
@@ -79,7 +79,7 @@ def install_model_hooks(model: nn.Module) -> None:
         target._safepad_hook_handles = [pre, post]
         # a cache without attention layers cannot tell its length in transformers: safepad counts it
         # (safepad.cache); registered after _ModelPreHook, so it sees the packed-call policy's use_cache
-        recurrent = fresh_cache_is_recurrent_only(getattr(target, "config", None))
+        recurrent = needs_token_count(target)
         if recurrent:
             target._safepad_cache_calls = []
             cache_pre = target.register_forward_pre_hook(

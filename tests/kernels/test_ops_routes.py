@@ -291,6 +291,29 @@ def test_conv_falls_back_where_the_kernel_cannot(K, D, dtype, kw, kernel_calls):
         causal_conv1d(x, w, b, activation="silu", backend="kernels", **extra)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_conv_activation_the_kernel_lacks_runs_on_the_torch_core(activation, kernel_calls):
+    """causal-conv1d implements only silu / swish: a gelu (``JambaConfig(hidden_act="gelu")``) conv takes the torch
+    core on ``auto`` (same math as stock's ``ACT2FN[...]``), and ``backend='kernels'`` refuses it, naming it."""
+    from transformers.activations import ACT2FN
+
+    g = _gen(13)
+    x, st = torch.randn(2, 16, 16, generator=g), torch.randn(2, 16, 4, generator=g)
+    w, b = torch.randn(16, 4, generator=g) * 0.5, torch.randn(16, generator=g)
+    with torch.no_grad():
+        got = causal_conv1d(x, w, b, activation=activation, backend="auto")
+        want = ACT2FN[activation](causal_conv1d(x, w, b, activation=None, backend="torch"))
+        y_step, _ = causal_conv1d_step(x[:, 0], st, w, b, activation=activation, backend="auto")
+        want_step = ACT2FN[activation](causal_conv1d_step(x[:, 0], st, w, b, activation=None, backend="torch")[0])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(y_step, want_step, rtol=0, atol=1e-6)
+    assert kernel_calls["causal_conv1d_fn"] == 0 and kernel_calls["causal_conv1d_update"] == 0
+    with pytest.raises(ValueError, match=f"backend='kernels'.*got '{activation}'"):
+        causal_conv1d(x, w, b, activation=activation, backend="kernels")
+    with pytest.raises(ValueError, match=f"backend='kernels'.*got '{activation}'"), torch.no_grad():
+        causal_conv1d_step(x[:, 0], st, w, b, activation=activation, backend="kernels")
+
+
 @pytest.mark.parametrize("K, S", [pytest.param(4, 4, id="K4-S4"), pytest.param(2, 6, id="K2-S6")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_conv_step_kernel_matches_torch(K, S, dtype, kernel_calls):
