@@ -24,6 +24,8 @@ import datasets
 import pytest
 import torch
 
+from safepad.collators import pack_dataset
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "collators/README.md")
 _SKIP = re.compile(r"<!--\s*snippet:\s*skip\s*(.*?)\s*-->")
@@ -102,6 +104,7 @@ def _namespace() -> dict:
     return {
         "model": _tiny_lm(),
         "tokenized": datasets.Dataset.from_dict({"input_ids": docs}),
+        "packed": pack_dataset(datasets.Dataset.from_dict({"input_ids": docs}), max_length=32),
         "ds": datasets.Dataset.from_dict({"input_ids": docs}),
         "input_ids": ids.masked_fill(left == 0, 0),
         "mask": left,
