@@ -62,8 +62,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family,layout", CASES)
-@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="compiled")])
+#: compiled (dynamo's own eager backend: the traced pre-hook reads the layouts) on one case per reading rule
+COMPILED = [
+    pytest.param("mamba2", "1d", True, id="mamba2-1d-compiled"),
+    pytest.param("nemotron_h", "1d", True, id="nemotron_h-1d-compiled"),
+    pytest.param("qwen3_5_text", "rope_rows", True, id="qwen3_5_text-rope_rows-compiled"),
+    pytest.param("qwen4_exp_text", "text_row", True, id="qwen4_exp_text-text_row-compiled"),
+]
+
+
+@pytest.mark.parametrize(
+    "family,layout,compiled", [pytest.param(*p.values, False, id=f"{p.id}-eager") for p in CASES] + COMPILED
+)
 def test_restarting_position_ids_are_read_as_packing(family: str, layout: str, compiled: bool):
     torch.manual_seed(0)
     stock = tiny_model(family).eval()
