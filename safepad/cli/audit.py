@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..testing.scenarios import AUDIT_SCENARIOS, AuditReport, ScenarioResult, audit
+from ..testing.scenarios import AUDIT_SCENARIOS, AuditReport, ScenarioResult, audit, default_tol
 from ..testing.tiny import family_available, family_names, tiny_model
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ def _legend(tol: float) -> str:
             "  conv a / rec b  largest |Δ| of the cached conv states / recurrent (SSM, delta-rule) states right after",
             "                the prefill, over every layer and row; '—': the model has no such state",
             f"  result        pass: the subject (wrapped, or stock with --no-wrap) is within tol {tol:g} x max(1,",
-            "                largest |reference value|) for the logits and every state, and raises nothing",
+            "                largest |reference value|) for the logits and every state, and raises nothing (bf16",
+            f"                without --tol: decode_* use {default_tol(torch.bfloat16, 'decode_default'):.3g}, what one-token steps need)",
             "  *_no_pos      the same call without position_ids (mask and cache only, as the README's recipes)",
         )
     )
