@@ -193,8 +193,9 @@ def _verdict(r: ScenarioResult) -> str:
     return {"n/a": "[dim]n/a[/]", "ok": "[green]pass[/]"}.get(r.status, "[bold red]FAIL[/]")
 
 
-def _legend(tol: float) -> str:
+def _legend(tol: float, wrapped: bool) -> str:
     """What every cell of the table means (printed under it)."""
+    subject = "the wrapped model" if wrapped else "the stock model"
     return "\n".join(
         (
             "How to read the cells: every number is the largest |difference| from the reference, which is each",
@@ -206,7 +207,7 @@ def _legend(tol: float) -> str:
             "  n/a           the scenario does not apply to the model (e.g. no time_step_limit for decode_dt_*)",
             "  conv a / rec b  largest |Δ| of the cached conv states / recurrent (SSM, delta-rule) states right after",
             "                the prefill, over every layer and row; '—': the model has no such state",
-            f"  result        pass: the subject (wrapped, or stock with --no-wrap) is within tol {tol:g} x max(1,",
+            f"  result        pass: {subject} is within tol {tol:g} x max(1,",
             "                largest |reference value|) for the logits and every state, and raises nothing (bf16",
             f"                without --tol: decode_* use {default_tol(torch.bfloat16, 'decode_default'):.3g}, what one-token steps need)",
             "  *_no_pos      the same call without position_ids (mask and cache only, as the README's recipes)",
@@ -237,7 +238,7 @@ def _print_report(console: Any, report: AuditReport) -> None:
             row.append(_states(wr))
         table.add_row(*row)
     console.print(table)
-    console.print(_legend(report.tol), markup=False, highlight=False)
+    console.print(_legend(report.tol, wrapped), markup=False, highlight=False)
     for stock, wr in report.rows():
         for label, r in (("stock", stock), ("wrapped", wr)):
             if r is not None and r.error is not None and (label == "wrapped" or not wrapped):
