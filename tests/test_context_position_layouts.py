@@ -67,7 +67,6 @@ COMPILED = [
     pytest.param("mamba2", "1d", True, id="mamba2-1d-compiled"),
     pytest.param("nemotron_h", "1d", True, id="nemotron_h-1d-compiled"),
     pytest.param("qwen3_5_text", "rope_rows", True, id="qwen3_5_text-rope_rows-compiled"),
-    pytest.param("qwen4_exp_text", "text_row", True, id="qwen4_exp_text-text_row-compiled"),
 ]
 
 

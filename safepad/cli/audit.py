@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..testing.scenarios import AUDIT_SCENARIOS, AuditReport, ScenarioResult, audit, default_tol
+from ..testing.scenarios import AUDIT_SCENARIOS, AuditReport, ScenarioResult, audit
 from ..testing.tiny import family_available, family_names, tiny_model
 
 logger = logging.getLogger(__name__)
@@ -208,8 +208,7 @@ def _legend(tol: float, wrapped: bool) -> str:
             "  conv a / rec b  largest |Δ| of the cached conv states / recurrent (SSM, delta-rule) states right after",
             "                the prefill, over every layer and row; '—': the model has no such state",
             f"  result        pass: {subject} is within tol {tol:g} x max(1,",
-            "                largest |reference value|) for the logits and every state, and raises nothing (bf16",
-            f"                without --tol: decode_* use {default_tol(torch.bfloat16, 'decode_default'):.3g}, what one-token steps need)",
+            "                largest |reference value|) for the logits and every state, and raises nothing",
             "  *_no_pos      the same call without position_ids (mask and cache only, as the README's recipes)",
         )
     )
