@@ -125,7 +125,7 @@ def test_rope_rows_of_one_sequence_with_an_image_are_not_packing():
     text at (p, p, p). Only the first token is all-zero, so nothing is read as packing."""
     from safepad.context import boundaries_from_kwargs
 
-    t, h, w = torch.meshgrid(torch.zeros(1), torch.arange(2), torch.arange(3), indexing="ij")
+    t, h, w = torch.meshgrid(torch.zeros(1, dtype=torch.long), torch.arange(2), torch.arange(3), indexing="ij")
     vision = torch.stack([t, h, w]).reshape(3, -1).long()  # [3, 6]
     text = torch.arange(3, 8)[None].expand(3, -1)  # [3, 5]
     rows = torch.cat([vision, text], 1)[:, None]  # [3, 1, 11]
