@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ._tracing import device_check, tracing
 from .layout.boundaries import (
+    packing_positions,
     position_ids_restart,
     seq_idx_from_cu_seqlens,
     seq_idx_from_position_ids,
@@ -159,7 +160,9 @@ def boundaries_from_kwargs(
     * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``[S + 1]``: cumulative over the flattened ``[B * T]`` tokens; they
       must agree with each other, end at ``B * T``, put a boundary at every row start, and agree with ``seq_idx``
       when both are given.
-    * ``position_ids`` ``[B, T]`` restarting at 0 inside a row (TRL ``padding_free``), 2-D only. With a
+    * ``position_ids`` restarting at 0 inside a row (TRL ``padding_free``): ``[B, T]``, ``[1, T]`` or ``[T]``, or the
+      text row of ``[4, B, T]`` / ``[1, B, T]`` or the all-zero tokens of ``[3, B, T]`` RoPE rows (see
+      :func:`safepad.layout.boundaries.packing_positions`; other layouts are not read). With a
       ``padding_mask`` ``[B, >= T]`` (its last ``T`` columns; 1 = real token) only the real tokens count and a 0
       at a row's first real token is no restart, so ``generate()``'s ids (pads at 1, real tokens from 0) are not
       packing while packed sequences followed by pads are. When ``seq_idx`` / ``cu_seq_lens`` are given too,
@@ -212,21 +215,19 @@ def boundaries_from_kwargs(
                 )
         else:
             out, source = from_cu, "cu_seq_lens"
-    if position_ids is not None and isinstance(position_ids, Tensor) and position_ids.dim() == 2:
+    position_ids = packing_positions(position_ids, (B, T))  # [B, T] from [T] / [1|B, T] / [4|3|1, B, T], or None
+    if position_ids is not None:
         from_pos = None
-        if position_ids.shape[0] == 1 and B > 1 and position_ids.shape[1] == T:
-            position_ids = position_ids.expand(B, T)  # one row of positions broadcast over the batch
-        if position_ids.shape[0] == B and position_ids.shape[1] == T:
-            # with boundaries from seq_idx / cu_seq_lens, position_ids that do not restart at all are read too:
-            # they disagree with the boundaries (attention layers would see one sequence per row)
-            if padding_mask is None:
-                if out is not None or position_ids_restart(position_ids):
-                    from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
-            else:
-                m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
-                starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
-                if out is not None or bool(starts.any()):
-                    from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]; pads take their neighbours' ids
+        # with boundaries from seq_idx / cu_seq_lens, position_ids that do not restart at all are read too:
+        # they disagree with the boundaries (attention layers would see one sequence per row)
+        if padding_mask is None:
+            if out is not None or position_ids_restart(position_ids):
+                from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
+        else:
+            m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
+            starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
+            if out is not None or bool(starts.any()):
+                from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]; pads take their neighbours' ids
         if from_pos is not None:
             if out is not None:
                 if not torch.equal(_change_points(out, real), _change_points(from_pos.to(out.device), real)):
@@ -291,10 +292,9 @@ def _boundaries_traced(
             )
         else:
             out, source = from_cu, "cu_seq_lens"
-    if isinstance(position_ids, Tensor) and position_ids.dim() == 2:
-        if position_ids.shape[0] == 1 and B > 1 and position_ids.shape[1] == T:
-            position_ids = position_ids.expand(B, T)  # one row of positions broadcast over the batch
-        if position_ids.shape[0] == B and position_ids.shape[1] == T and (out is not None or T > 1):
+    position_ids = packing_positions(position_ids, (B, T))  # [B, T] from [T] / [1|B, T] / [4|3|1, B, T], or None
+    if position_ids is not None:
+        if out is not None or T > 1:
             if padding_mask is None:
                 from_pos = seq_idx_from_position_ids(position_ids)  # [B, T]
             else:

@@ -10,7 +10,8 @@ wrapped by :func:`safepad.wrap`, it looks at the few inputs that describe the ba
   row is then taken after the pads, so everything decoded from it is wrong. In training mode a cache that exists only
   because of the config default is thrown away by the Trainer: it is counted, not reported.
 * ``packed`` — several sequences in one row: ``seq_idx`` ``[B, T]`` with a boundary, ``cu_seq_lens_q/k``
-  ``[S + 1]`` with ``S > 1``, or 2-D ``position_ids`` ``[B, T]`` that restart at 0 inside a row (with a
+  ``[S + 1]`` with ``S > 1``, or ``position_ids`` that restart at 0 inside a row (``[B, T]``, ``[1, T]``, ``[T]``,
+  the text row of ``[4, B, T]`` / ``[1, B, T]``, all-zero ``[3, B, T]`` RoPE rows; with a
   padding mask, only at real tokens after the row's first one: ``generate()`` sets the position of a pad to 1
   and of the first real token to 0, which is not packing; packed sequences followed by pads are).
   The recurrent state leaks from one sequence into the next.
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 
 from .cache import CACHE_NAMES
 from .errors import PaddingError, PaddingWarning, UnsupportedModelError
+from .layout.boundaries import packing_positions
 
 logger = logging.getLogger(__name__)
 
@@ -377,9 +379,8 @@ class GuardHandle:
             B, T = int(mask.shape[0]), int(mask.shape[1])
         else:
             return None
-        position_ids = self._get("position_ids", args, kwargs)
-        if not (isinstance(position_ids, Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == T):
-            position_ids = None
+        # [B, T] from every layout a model accepts ([T], [1|B, T], [4|1, B, T] text row, [3, B, T] RoPE rows)
+        position_ids = packing_positions(self._get("position_ids", args, kwargs), (B, T))
         seq_idx = self._get("seq_idx", args, kwargs)
         if not (isinstance(seq_idx, Tensor) and seq_idx.dim() == 2 and seq_idx.shape[-1] == T):
             seq_idx = None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..testing.scenarios import SCENARIOS, AuditReport, ScenarioResult, audit
+from ..testing.scenarios import AUDIT_SCENARIOS, AuditReport, ScenarioResult, audit
 from ..testing.tiny import family_available, family_names, tiny_model
 from . import gradients as gradients_cmd
 
@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     p.add_argument("--backend", default="auto", help="safepad.wrap backend (default auto)")
-    p.add_argument("--scenarios", default=None, metavar="A,B,C", help=f"subset of: {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", default=None, metavar="A,B,C", help=f"subset of: {', '.join(AUDIT_SCENARIOS)}")
     p.add_argument("--tol", type=float, default=None, help="max |Δ| tolerated (default: by dtype, 1e-4 for fp32)")
     p.add_argument("--no-wrap", action="store_true", help="audit the stock model only")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
@@ -69,11 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _parse_scenarios(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     if args.scenarios is None:
-        return list(SCENARIOS)
+        return list(AUDIT_SCENARIOS)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SCENARIOS]
+    unknown = [n for n in names if n not in AUDIT_SCENARIOS]
     if unknown or not names:
-        parser.error(f"--scenarios: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(SCENARIOS)}")
+        parser.error(
+            f"--scenarios: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(AUDIT_SCENARIOS)}"
+        )
     return names
 
 
@@ -193,6 +195,27 @@ def _verdict(r: ScenarioResult) -> str:
     return {"n/a": "[dim]n/a[/]", "ok": "[green]pass[/]"}.get(r.status, "[bold red]FAIL[/]")
 
 
+def _legend(tol: float, wrapped: bool) -> str:
+    """What every cell of the table means (printed under it)."""
+    subject = "the wrapped model" if wrapped else "the stock model"
+    return "\n".join(
+        (
+            "How to read the cells: every number is the largest |difference| from the reference, which is each",
+            "sequence run alone through the stock model (full forward: no padding, no packing, no cache; its",
+            "cached states: its own cached prefill).",
+            "  max|Δ|        largest |Δ logits| over every compared token (prefill and decode steps); 'N tok' after",
+            "                it: generate produced N tokens that differ from the prompt's own greedy continuation",
+            "  raises X      the model raised exception X (its message is printed below the table)",
+            "  n/a           the scenario does not apply to the model (e.g. no time_step_limit for decode_dt_*)",
+            "  conv a / rec b  largest |Δ| of the cached conv states / recurrent (SSM, delta-rule) states right after",
+            "                the prefill, over every layer and row; '—': the model has no such state",
+            f"  result        pass: {subject} is within tol {tol:g} x max(1,",
+            "                largest |reference value|) for the logits and every state, and raises nothing",
+            "  *_no_pos      the same call without position_ids (mask and cache only, as the README's recipes)",
+        )
+    )
+
+
 def _print_report(console: Any, report: AuditReport) -> None:
     from rich.table import Table
 
@@ -216,6 +239,7 @@ def _print_report(console: Any, report: AuditReport) -> None:
             row.append(_states(wr))
         table.add_row(*row)
     console.print(table)
+    console.print(_legend(report.tol, wrapped), markup=False, highlight=False)
     for stock, wr in report.rows():
         for label, r in (("stock", stock), ("wrapped", wr)):
             if r is not None and r.error is not None and (label == "wrapped" or not wrapped):

@@ -2,6 +2,7 @@
 
 from .boundaries import (
     cu_seqlens_from_seq_idx,
+    packing_positions,
     position_ids_restart,
     seq_idx_from_cu_seqlens,
     seq_idx_from_position_ids,
@@ -12,6 +13,7 @@ from .boundaries import (
 
 __all__ = [
     "cu_seqlens_from_seq_idx",
+    "packing_positions",
     "position_ids_restart",
     "seq_idx_from_cu_seqlens",
     "seq_idx_from_position_ids",

@@ -10,7 +10,9 @@ Its boundaries come in three equivalent encodings:
   ``cu_seqlens[-1] == B * T``.
 * ``position_ids`` ``[B, T]`` — positions that restart at 0 for each sequence (TRL's
   ``padding_free`` convention). A row whose first position is not 0 continues a sequence that
-  started earlier.
+  started earlier. Every other layout transformers models accept is read through
+  :func:`packing_positions`: ``[T]``, ``[1, T]``, ``[4, B, T]`` (text row first), ``[1, B, T]`` and
+  ``[3, B, T]`` (multimodal RoPE rows).
 
 Every function here validates its input and raises ``ValueError`` naming the argument.
 """
@@ -27,6 +29,7 @@ __all__ = [
     "validate_cu_seqlens",
     "seq_idx_from_cu_seqlens",
     "seq_idx_from_position_ids",
+    "packing_positions",
     "position_ids_restart",
     "cu_seqlens_from_seq_idx",
     "sequence_ids",
@@ -121,11 +124,53 @@ def seq_idx_from_cu_seqlens(cu_seqlens: Tensor, total: int, name: str = "cu_seql
     return seq.to(torch.int32).unsqueeze(0)  # [1, total]
 
 
+def packing_positions(position_ids: Tensor | None, shape: tuple[int, int] | None = None) -> Tensor | None:
+    """The ``[B, T]`` positions whose zeros start sequences, from any ``position_ids`` layout a model accepts.
+
+    * ``[T]`` and ``[1, T]``: one row of positions for the whole batch (transformers' mask code expands
+      them, as several collators pass them);
+    * ``[B, T]``: as they are;
+    * ``[4, B, T]`` (``[text, temporal, height, width]``, the Qwen2-VL .. Qwen3.5 text models) and ``[1, B, T]``
+      (Qwen4-Exp): row 0, the text positions those models hand to ``create_causal_mask``;
+    * ``[3, B, T]`` (multimodal RoPE rows without a text row): a token starts a sequence where all three rows
+      are 0. ``get_rope_index`` gives ``(0, 0, 0)`` to a sequence's first token only (text at ``(p, p, p)``,
+      vision patches at ``(s + t, s + h, s + w)``, all 0 only for the first patch of an image that opens the
+      sequence), so the all-zero tokens after a row's first one are restarts. They come back as the rows'
+      max ``[B, T]``, which is 0 exactly there.
+
+    With ``shape`` ``(B, T)`` the result is expanded to ``[B, T]``, and ``None`` comes back when the
+    positions do not fit it; without it the rows come back as they are (``[1 | B, T]``). ``None`` for any
+    other layout (no packing is read from it).
+    """
+    if not isinstance(position_ids, Tensor):
+        return None
+    pos = position_ids
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)  # [1, T]
+    elif pos.dim() == 3:
+        if pos.shape[0] in (1, 4):
+            pos = pos[0]  # [B, T]: the text positions
+        elif pos.shape[0] == 3:
+            pos = pos.abs().amax(0)  # [B, T]: 0 where all three RoPE rows are 0
+        else:
+            return None
+    elif pos.dim() != 2:
+        return None
+    if shape is None:
+        return pos
+    B, T = shape
+    if pos.shape[-1] != T or pos.shape[0] not in (1, B):
+        return None
+    return pos.expand(B, T)
+
+
 def position_ids_restart(position_ids: Tensor) -> bool:
-    """True when some row of 2-D ``position_ids`` restarts at 0 after its first token (packing)."""
-    if position_ids.dim() != 2 or position_ids.shape[1] < 2:
+    """True when some row of ``position_ids`` (any layout of :func:`packing_positions`) restarts at 0 after its
+    first token (packing)."""
+    pos = packing_positions(position_ids)
+    if pos is None or pos.shape[1] < 2:
         return False
-    return bool((position_ids[:, 1:] == 0).any())
+    return bool((pos[:, 1:] == 0).any())
 
 
 def seq_idx_from_position_ids(position_ids: Tensor) -> Tensor:

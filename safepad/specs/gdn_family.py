@@ -38,6 +38,11 @@ _QWEN3_5 = {
     "gate": ("in_proj_z",),
 }
 
+#: Qwen3.5's text model reads row 0 of ``[4, B, T]`` position_ids as its text positions (its attention mask), so
+#: a packed call's ``[3, B, T]`` / ``[1, B, T]`` RoPE rows get a text row restarting at each boundary
+#: (``safepad.wrap.hooks``).
+_QWEN3_5_TEXT = {**_QWEN3_5, "text_position_rows": (4,)}
+
 #: Kimi Delta Attention (kimi_linear): separate q/k/v, per-key-channel decay module, low-rank gate.
 KDA_OPTIONS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -61,8 +66,8 @@ GDN_FAMILY = tuple(
             {"qkv": "qkvz_ba", "beta": None, "decay": "mamba", "decay_proj": None, "gate": None},
             "fused in_proj_qkvz / in_proj_ba regrouped per key head; z gates the output norm",
         ),
-        _gdn("qwen3_5", "Qwen3_5GatedDeltaNet", _QWEN3_5, "fused qkv projection; z / b / a projected separately"),
-        _gdn("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _QWEN3_5, "as qwen3_5 (MoE feed-forward)"),
+        _gdn("qwen3_5", "Qwen3_5GatedDeltaNet", _QWEN3_5_TEXT, "fused qkv projection; z / b / a projected separately"),
+        _gdn("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _QWEN3_5_TEXT, "as qwen3_5 (MoE feed-forward)"),
         _gdn("lara_mini", "LaraMiniGatedDeltaNet", _QWEN3_5, "as qwen3_5 (transformers 5.24; MoE, sliding attention)"),
         _gdn(
             "olmo_hybrid",

@@ -30,7 +30,7 @@ QWEN4_EXP_FAMILY = (
             inner_classes=("Qwen4ExpTextNGramEmbedding",),  # the PLE forward computes its n-grams itself
             forward=gated_delta_mixer_forward,
             forward_by_class=MappingProxyType({_PLE_CLASS: ple_forward}),
-            options=MappingProxyType(_QWEN3_5),
+            options=MappingProxyType({**_QWEN3_5, "text_position_rows": (4, 1)}),  # [1, B, T]: row 0 too
             hybrid=True,
             description="Qwen3.5 Gated DeltaNet + PLE (dilated conv, n-gram ids restarting at EOS and packed boundaries)",
         )

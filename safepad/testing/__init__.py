@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from .scenarios import (
     PACKED_LENGTHS,
+    AUDIT_SCENARIOS,
+    NO_POSITION_SCENARIOS,
     SCENARIOS,
     AuditReport,
     ScenarioResult,
@@ -36,6 +38,8 @@ __all__ = [
     "MAMBA1_FAMILIES",
     "MAMBA2_FAMILIES",
     "PACKED_LENGTHS",
+    "AUDIT_SCENARIOS",
+    "NO_POSITION_SCENARIOS",
     "SCENARIOS",
     "AuditReport",
     "ScenarioResult",

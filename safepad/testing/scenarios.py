@@ -21,7 +21,15 @@ decode_default       8-token cached prefill, then token-by-token decode, vs one 
 decode_dt_min        the same with every mixer's ``time_step_limit = (0.05, inf)`` (Mamba2 family only)
 decode_dt_max        the same with ``time_step_limit = (0.0, 0.01)`` (Mamba2 family only)
 generate             left-padded greedy ``generate`` of 3 prompts vs each prompt's greedy continuation alone
+right_pad_decode_no_pos  ``right_pad_decode`` called as the README does: ``attention_mask`` and the cache, no
+                     ``position_ids`` (the model derives them; the same holds for the ``*_no_pos`` below)
+left_pad_decode_no_pos   ``left_pad_decode`` without ``position_ids``
+chunked_prefill_no_pos   ``chunked_prefill`` without ``position_ids``
+chunked_prefill_pad_no_pos  ``chunked_prefill_pad`` without ``position_ids`` (the README's chunked-prefill recipe)
 ==================== ======================================================================================
+
+:data:`SCENARIOS` is the matrix the family tests hold every model to; :data:`NO_POSITION_SCENARIOS` are the
+``*_no_pos`` calls; :data:`AUDIT_SCENARIOS` (both) is what ``safepad audit`` runs by default.
 
 Caching scenarios also compare the cached states right after the prefill (per layer: conv state and
 recurrent/SSM state of every row vs the row's own run). A model that raises is a finding, not a crash: the
@@ -57,6 +65,8 @@ from ..cache import CACHE_NAMES, cache_argument, needs_token_count, new_tracked_
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AUDIT_SCENARIOS",
+    "NO_POSITION_SCENARIOS",
     "PACKED_LENGTHS",
     "SCENARIOS",
     "AuditReport",
@@ -84,6 +94,16 @@ SCENARIOS: tuple[str, ...] = (
     "decode_dt_max",
     "generate",
 )
+#: the cached scenarios called as users call them: mask and cache, no ``position_ids``
+NO_POSITION_SCENARIOS: tuple[str, ...] = (
+    "right_pad_decode_no_pos",
+    "left_pad_decode_no_pos",
+    "chunked_prefill_no_pos",
+    "chunked_prefill_pad_no_pos",
+)
+#: what ``safepad audit`` runs by default
+AUDIT_SCENARIOS: tuple[str, ...] = SCENARIOS + NO_POSITION_SCENARIOS
+_NO_POS = "_no_pos"
 
 #: Sequence lengths of the packed row: a length-1 sequence, and lengths on both sides of chunk 16 / 32.
 PACKED_LENGTHS: tuple[int, ...] = (1, 3, 17, 33)
@@ -528,7 +548,8 @@ def _padded_batch(seqs: Sequence[Tensor], left: bool) -> tuple[Tensor, Tensor, T
 
 
 def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
-    left = res.name == "left_pad_decode"
+    left = res.name.removesuffix(_NO_POS) == "left_pad_decode"
+    with_pos = not res.name.endswith(_NO_POS)
     gen = _gen(seed, "pad_decode")
     seqs = [_tokens(gen, ref.vocab, n) for n in _PAD_LENGTHS]
     # decode step k feeds token k and is compared with the logits token k + 1 is chosen from
@@ -538,7 +559,7 @@ def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int)
         lambda: [(*_alone_greedy(ref, s, _DECODE_STEPS + 1), _alone_states(ref, s)) for s in seqs],
     )
     ids, mask, pos = _padded_batch(seqs, left)
-    logits, cache = io(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    logits, cache = io(ids, attention_mask=mask, position_ids=pos if with_pos else None, use_cache=True)
     if cache is None:
         raise RuntimeError("the model returned no cache for use_cache=True")
     got_states = io.states(cache)
@@ -553,7 +574,10 @@ def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int)
         tok = torch.tensor([[a[1][k]] for a in alone])  # [B, 1] each row's own greedy token
         mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=mask.dtype)], dim=1)  # [B, width + k + 1]
         step_pos = (lengths + k)[:, None]  # [B, 1]
-        logits, cache = io(tok, attention_mask=io.decode_mask(mask), position_ids=step_pos, cache=cache, use_cache=True)
+        logits, cache = io(
+            tok, attention_mask=io.decode_mask(mask), position_ids=step_pos if with_pos else None, cache=cache,
+            use_cache=True,
+        )
         for b, a in enumerate(alone):
             decode_err = max(decode_err, _cmp(res, logits[b, -1], a[2][k + 1]))
     res.details.update(prefill_logits=prefill_err, decode_logits=decode_err)
@@ -561,14 +585,16 @@ def _scn_pad_decode(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int)
 
 
 def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) -> None:
-    padded = res.name == "chunked_prefill_pad"
+    base = res.name.removesuffix(_NO_POS)
+    padded = base == "chunked_prefill_pad"
+    with_pos = base == res.name
     gen = _gen(seed, "chunked")
     lengths = (_CHUNK_LEN, _CHUNK_PAD_LEN if padded else _CHUNK_LEN)
     seqs = [_tokens(gen, ref.vocab, n) for n in lengths]
     ids, mask, pos = _padded_batch(seqs, left=False)  # [2, 40]
     expected, alone_states = _memo(
         ref,
-        (res.name, seed),
+        (base, seed),
         lambda: ([_alone_full(ref, s) for s in seqs], [_alone_states(ref, s) for s in seqs]),
     )
     bounds = [0, *_CHUNK_SPLITS, ids.shape[1]]
@@ -578,7 +604,8 @@ def _scn_chunked(io: _ModelIO, ref: _ModelIO, res: ScenarioResult, seed: int) ->
         if padded and b - a == 1:
             chunk_mask = io.decode_mask(chunk_mask)
         logits, cache = io(
-            ids[:, a:b], attention_mask=chunk_mask, position_ids=pos[:, a:b], cache=cache, use_cache=True
+            ids[:, a:b], attention_mask=chunk_mask, position_ids=pos[:, a:b] if with_pos else None, cache=cache,
+            use_cache=True,
         )
         outs.append(logits)
     logits = torch.cat(outs, dim=1)  # [2, 40, V]
@@ -674,6 +701,10 @@ _RUNNERS: dict[str, Callable[[_ModelIO, _ModelIO, ScenarioResult, int], None]] =
     "decode_dt_min": _scn_decode,
     "decode_dt_max": _scn_decode,
     "generate": _scn_generate,
+    "right_pad_decode_no_pos": _scn_pad_decode,
+    "left_pad_decode_no_pos": _scn_pad_decode,
+    "chunked_prefill_no_pos": _scn_chunked,
+    "chunked_prefill_pad_no_pos": _scn_chunked,
 }
 
 
@@ -682,7 +713,9 @@ def _check_names(names: Sequence[str] | None) -> list[str]:
         return list(SCENARIOS)
     unknown = [n for n in names if n not in _RUNNERS]
     if unknown:
-        raise ValueError(f"names: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+        raise ValueError(
+            f"names: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(AUDIT_SCENARIOS)}"
+        )
     return list(names)
 
 
@@ -765,7 +798,7 @@ def audit(
     Args:
         model_factory_or_model: a stock model (left unmodified), or a zero-argument callable returning one.
         wrap_fn: ``model -> wrapped model`` applied to a deep copy; None for a stock-only audit.
-        names: scenario ids (default :data:`SCENARIOS`).
+        names: scenario ids (default :data:`AUDIT_SCENARIOS`: the matrix, with and without ``position_ids``).
         tol: see :func:`run_scenario`.
         progress: ``progress(which, result)`` after each scenario, ``which`` in ``{"stock", "wrapped"}``.
         model_name: label for the report (default: the model class name).
@@ -774,7 +807,7 @@ def audit(
             (so both models are judged against the same accurate reference, not against bf16 rounding of one
             particular kernel order), the model's dtype otherwise.
     """
-    names = _check_names(names)
+    names = _check_names(AUDIT_SCENARIOS if names is None else names)
     if isinstance(model_factory_or_model, nn.Module):
         model = model_factory_or_model
     elif callable(model_factory_or_model):

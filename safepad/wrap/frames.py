@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..context import boundaries_from_kwargs
+from ..layout.boundaries import position_ids_restart
 
 logger = logging.getLogger(__name__)
 
@@ -179,4 +180,4 @@ def check_enclosing_call_at_trace() -> bool:
 
 
 def _restarts(position_ids: torch.Tensor) -> bool:
-    return position_ids.dim() == 2 and position_ids.shape[-1] > 1 and bool((position_ids[:, 1:] == 0).any())
+    return position_ids_restart(position_ids)

@@ -39,6 +39,7 @@ from ..context import (
     multi_sequence,
     position_ids_from_seq_idx,
 )
+from ..layout.boundaries import packing_positions
 from ..layout.masks import check_mask_values, is_right_padded
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
@@ -69,6 +70,11 @@ def install_model_hooks(model: nn.Module) -> None:
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
             # a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
             "slot_checks": tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
+            # text models that read row 0 of [R, B, T] position_ids as their text positions, for these R
+            # (Qwen3.5: 4; Qwen4-Exp: 4 and 1); None: the model reads [B, T] position_ids only
+            "text_position_rows": next(
+                (s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None
+            ),
             # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
             "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
         }
@@ -234,15 +240,14 @@ class _ModelPreHook:
                 )
                 seq_idx = torch.where(m, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
-        elif mask2d and position_ids is not None and position_ids.dim() == 2 and T > 1:
-            if position_ids.shape[-1] == T and position_ids.shape[0] in (1, B):
-                m = mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
-                device_check(
-                    ~((position_ids == 0) & m & (m.cumsum(1) > 1)).any(),
-                    "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
-                    "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
-                    "when they come with an attention_mask (or come without one)",
-                )
+        elif mask2d and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:  # pos [B, T]
+            m = mask[:, -T:].to(device=pos.device, dtype=torch.bool)  # [B, T]
+            device_check(
+                ~((pos == 0) & m & (m.cumsum(1) > 1)).any(),
+                "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
+                "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
+                "when they come with an attention_mask (or come without one)",
+            )
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
         padding_mask = mask if mask2d and seq_idx is None else None
         token = enter_call(
@@ -271,6 +276,20 @@ class _ModelPreHook:
             kwargs["attention_mask"] = None
         if info["hybrid"] and kwargs.get("position_ids") is None and info["accepts_position_ids"]:
             kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)
+        elif info["hybrid"] and isinstance(rope := kwargs.get("position_ids"), torch.Tensor) and rope.dim() == 3:
+            rows = info["text_position_rows"]
+            if rows is None:
+                raise ValueError(
+                    f"position_ids of shape {list(rope.shape)} (several RoPE rows) on a packed call of "
+                    f"{type(module).__name__}, whose forward reads [batch, seqlen] position_ids only: its attention "
+                    "mask cannot read the boundaries from them. Pass position_ids of shape [batch, seqlen] that "
+                    "restart at 0 per sequence (or seq_idx / cu_seq_lens_q without position_ids)."
+                )
+            if rope.shape[0] not in rows:
+                # RoPE rows without a text row ([3, B, T], or [1, B, T] where it is not read as text): these models
+                # build their attention mask from a [4, B, T]'s row 0 only, so give them one restarting per sequence
+                text = position_ids_from_seq_idx(seq_idx).to(device=rope.device, dtype=rope.dtype)  # [B, T]
+                kwargs["position_ids"] = torch.cat([text[None], rope.expand(3, *text.shape)])  # [4, B, T]
         if info["packed_attention_mask"] and "attention_mask" in info["params"]:
             if kwargs.get("attention_mask") is None:
                 kwargs["attention_mask"] = packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from safepad.layout import (
     cu_seqlens_from_seq_idx,
+    packing_positions,
     position_ids_restart,
     seq_idx_from_cu_seqlens,
     seq_idx_from_position_ids,
@@ -46,7 +47,33 @@ def test_position_ids_restart_and_continuation():
     assert seq_idx_from_position_ids(pos).tolist() == [[0, 0, 1, 1, 2, 3, 3]]
     assert position_ids_restart(pos)
     assert not position_ids_restart(torch.arange(5).unsqueeze(0))
-    assert not position_ids_restart(torch.zeros(3, 1, 5, dtype=torch.long))  # 3-D (mrope) ids are not packing
+    rope = torch.tensor([[0, 0, 0, 3, 4], [0, 0, 1, 3, 4], [0, 1, 0, 3, 4]])[:, None]  # [3, 1, 5]: image, then text
+    assert not position_ids_restart(rope)  # only the first token is (0, 0, 0)
+    assert position_ids_restart(torch.cat([rope, rope], -1))  # a second sequence starts at (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(lambda p: p, id="T"),
+        pytest.param(lambda p: p[None], id="1xT"),
+        pytest.param(lambda p: p[None].expand(2, -1), id="BxT"),
+        pytest.param(lambda p: torch.stack([p, p + 7, p + 9, p + 11])[:, None].expand(4, 2, -1), id="4xBxT-text_row"),
+        pytest.param(lambda p: p[None, None], id="1x1xT"),
+        pytest.param(lambda p: p[None, None].expand(3, 2, -1), id="3xBxT-rope_rows"),
+    ],
+)
+def test_packing_positions_reads_the_text_positions_of_every_layout(layout):
+    pos = torch.tensor([0, 1, 2, 0, 1, 0])
+    out = packing_positions(layout(pos), (2, 6))
+    assert out.shape == (2, 6) and torch.equal(out == 0, (pos == 0).expand(2, -1))
+    assert packing_positions(layout(pos), (2, 5)) is None  # positions that do not fit the call are not read
+
+
+def test_packing_positions_reads_nothing_from_unknown_layouts():
+    assert packing_positions(torch.zeros(2, 1, 6, dtype=torch.long), (1, 6)) is None  # [2, B, T]: no convention
+    assert packing_positions(torch.zeros(1, 1, 1, 6, dtype=torch.long), (1, 6)) is None
+    assert packing_positions(None, (1, 6)) is None
 
 
 def test_validate_seq_idx_returns_int32():
