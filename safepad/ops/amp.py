@@ -21,11 +21,17 @@ F = TypeVar("F", bound=Callable)
 
 
 def fp32_core(fn: F) -> F:
-    """Run ``fn`` with autocast disabled on the device of its first tensor argument."""
+    """Run ``fn`` with autocast disabled on the device of its first tensor argument.
+
+    The device is taken from the first tensor among the positional arguments, then among the keyword
+    arguments, so ``ssd_scan(x=..., dt=...)`` is covered as well as ``ssd_scan(x, dt, ...)``.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        first = next(
+            (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None
+        )
         if first is None or not torch.is_autocast_enabled(first.device.type):
             return fn(*args, **kwargs)
         with torch.autocast(device_type=first.device.type, enabled=False):
