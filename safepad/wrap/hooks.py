@@ -27,6 +27,7 @@ from ..cache import (
     CachePreHook,
     SafepadGenerate,
     cache_argument,
+    cache_from_kwargs,
     cache_post_hook,
     fresh_cache_is_recurrent_only,
 )
@@ -43,6 +44,7 @@ from ..layout.masks import is_right_padded
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace, inside_generate
+from .cache_rows import check_cache_rows
 from .slot_calls import slot_justify, slot_restore
 
 __all__ = ["install_model_hooks"]
@@ -138,6 +140,7 @@ class _ModelPreHook:
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
+        check_cache_rows(cache_from_kwargs(kwargs)[1], B)
         given = _two_d_mask(kwargs.get("attention_mask"))  # the caller's (a slot-justified call replaces it below)
         if (
             isinstance(given, torch.Tensor) and given.dim() == 2 and T > 1
