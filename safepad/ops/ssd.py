@@ -78,6 +78,38 @@ _BLOCK_ELEMS = 1 << 20
 _DECAY_FLOOR = {torch.float32: _FLUSH_BELOW, torch.float64: -700.0}
 
 
+def _log_decays(dt: Tensor, A: Tensor, b: int, c: int, Q: int, H: int) -> Tensor:
+    """``acs`` ``[b, c, H, Q]``: the cumulative sum of ``dt * A`` inside each chunk, in float64.
+
+    dt ``[b, c*Q, H]`` processed, A ``[H]``. Float64 whatever the compute dtype (float32 only on devices
+    without float64, where the precision below is not reached). Within a chunk the sum reaches tens of
+    thousands at flagship geometry (chunk 256, ``dt * A`` up to ~-100 per token), where one float32 ulp is
+    ~2e-3; the decay between two tokens is a difference of two such sums. Stock's per-pair ``segment_sum``
+    sums only the terms between them. Here every difference is taken from the float64 sums: directly where
+    the result is per token (:func:`_chunk_weights`), and through :func:`_split_log_decays` in the
+    ``[Q, Q]`` intra-chunk part.
+    """
+    acc = torch.float32 if dt.device.type == "mps" else torch.float64
+    return torch.cumsum(dt.reshape(b, c, Q, H).to(acc) * A.to(acc), dim=2).transpose(2, 3).contiguous()
+
+
+def _split_log_decays(acs: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(hi, e, f)``: ``hi = acs`` rounded to ``dtype`` ``[..., H, Q]``, and the row / column factors
+    ``e = exp(lo)``, ``f = exp(-lo)`` ``[..., H, Q, 1]`` of its rounding ``lo = acs - hi`` (None, None when
+    ``acs`` is already in ``dtype``).
+
+    ``exp(acs_l - acs_s) = e_l * exp(hi_l - hi_s) * f_s``, and ``hi_l - hi_s`` is exact in ``dtype``
+    wherever the decay is not negligible (two values rounded from one monotone sum, within a factor 2 of
+    each other: Sterbenz). So the ``[Q, Q]`` work stays one float32 subtraction per entry; ``f`` scales the
+    input ``x·dt`` rows and ``e`` the output rows.
+    """
+    hi = acs.detach().to(dtype)
+    if acs.dtype == dtype:
+        return acs, None, None
+    lo = (acs.detach() - hi.to(acs.dtype)).to(dtype)  # |lo| <= half an ulp of hi
+    return hi, torch.exp(lo).unsqueeze(-1), torch.exp(-lo).unsqueeze(-1)
+
+
 def _decay_into(out: Tensor, acs: Tensor, keep: Tensor) -> Tensor:
     """``out = exp(acs_l - acs_s)`` where kept, else 0: ``[m, H, Q, Q]`` written into ``out``.
 
@@ -108,12 +140,13 @@ def _intra_flat(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor):
 def _intra_fwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
     """``y = (decay ⊙ C·Bᵀ) @ (dt x)`` inside each chunk, over blocks of chunks in one reused work buffer.
 
-    acs ``[b, c, H, Q]``; CB ``[b, c, G, Q, Q]``; xdt ``[b, c, H, Q, P]``; keep ``[Q, Q]`` or
-    ``[b, c, 1, Q, Q]`` bool. Returns ``[b, c, H, Q, P]`` (contiguous).
+    acs ``[b, c, H, Q]`` (float64, see :func:`_log_decays`); CB ``[b, c, G, Q, Q]``; xdt ``[b, c, H, Q, P]``;
+    keep ``[Q, Q]`` or ``[b, c, 1, Q, Q]`` bool. Returns ``[b, c, H, Q, P]`` (contiguous).
     """
     b, c, H, Q, P = xdt.shape
     G = CB.shape[2]
-    acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(acs, CB, xdt, keep)
+    hi, e, f = _split_log_decays(acs, xdt.dtype)
+    acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(hi, CB, xdt if f is None else xdt * f, keep)
     n = b * c
     y = xdt.new_empty(n, H, Q, P)  # [n, H, Q, P]
     scores_ws = xdt.new_empty(min(step, n), H, Q, Q)  # [m, H, Q, Q] reused by every block
@@ -124,23 +157,37 @@ def _intra_fwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor) -> Tensor:
         scores = _decay_into(scores_ws[:m], acs_f[i0:i1], kp)  # [m, H, Q, Q]
         scores.view(m, G, H // G, Q, Q).mul_(CB_f[i0:i1].unsqueeze(2))  # ⊙ C·Bᵀ of the head's group
         torch.matmul(scores, xdt_f[i0:i1], out=y[i0:i1])  # [m, H, Q, P]
-    return y.view(b, c, H, Q, P)
+    y = y.view(b, c, H, Q, P)
+    return y if e is None else y.mul_(e)
 
 
 def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`_intra_fwd` for ``gy`` ``[b, c, H, Q, P]`` (any strides): ``(g_acs, g_CB, g_xdt)``.
+    """Gradients of :func:`_intra_fwd` for ``gy`` ``[b, c, H, Q, P]`` (any strides): ``(g_acs, g_CB, g_xdt)``,
+    ``g_acs`` in the dtype of ``acs``.
 
     The decay and score matrices are rebuilt block by block instead of being kept from the forward.
+
+    The gradient reaching the log-decay increment ``dt_t * A`` is the sum over the pairs it lies between,
+    ``g_a[t] = sum_{s < t <= l} g_seg[l, s]``; it is summed pair by pair (a prefix sum along ``s``, then the
+    column sums below the diagonal), as stock's autograd through ``segment_sum`` does. Row sums minus column
+    sums of ``g_seg`` per token, reverse-cumsummed by the caller, cancel to it only up to ~Q roundings of the
+    larger partial sums (fp32 ``dA`` gradients ~1e-4 off at chunk 256). ``g_acs`` is returned as the exact
+    differences ``g_a[q] - g_a[q+1]`` in the dtype of ``acs``, so the caller's reverse cumsum gives ``g_a``
+    back.
     """
     b, c, H, Q, P = xdt.shape
     G = CB.shape[2]
     k = H // G
-    acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(acs, CB, xdt, keep)
+    hi, e, f = _split_log_decays(acs, xdt.dtype)
+    if e is not None:
+        xdt, gy = xdt * f, gy * e  # [b, c, H, Q, P] each: the column and row factors
+    acs_f, CB_f, xdt_f, keep_f, step = _intra_flat(hi, CB, xdt, keep)
     n = b * c
     gy_f = gy.flatten(0, 1)  # [n, H, Q, P] (a view; may be strided, e.g. token-major underneath)
     g_xdt = xdt.new_empty(n, H, Q, P)
-    g_acs = acs.new_empty(n, H, Q)
+    g_cross = xdt.new_empty(n, H, Q)  # [n, H, Q]: at t, the pairs s <= t < l, i.e. g_a[t + 1]
     g_CB = CB.new_empty(n, G, Q, Q)
+    below = torch.ones(Q, Q, dtype=xdt.dtype, device=xdt.device).tril(-1)  # [Q, Q] (l, t): l > t
     m0 = min(step, n)
     decay_ws, scores_ws, gs_ws = (xdt.new_empty(m0, H, Q, Q) for _ in range(3))  # [m, H, Q, Q] each
     gy_ws = None if gy_f.is_contiguous() else xdt.new_empty(m0, H, Q, P)  # block copy of a strided gy
@@ -155,9 +202,15 @@ def _intra_bwd(acs: Tensor, CB: Tensor, xdt: Tensor, keep: Tensor, gy: Tensor) -
         torch.matmul(scores.transpose(-1, -2), g, out=g_xdt[i0:i1])  # [m, H, Q, P]
         g_scores = torch.matmul(g, xdt_f[i0:i1].transpose(-1, -2), out=gs_ws[:m])  # [m, H, Q, Q]
         g_seg = scores.mul_(g_scores)  # [m, H, Q, Q] d/d(acs_l - acs_s); zero where masked
-        torch.sub(g_seg.sum(-1), g_seg.sum(-2), out=g_acs[i0:i1])  # [m, H, Q]
         torch.sum(g_scores.mul_(decay).view(m, G, k, Q, Q), 2, out=g_CB[i0:i1])  # [m, G, Q, Q]
-    return g_acs.view(b, c, H, Q), g_CB.view(b, c, G, Q, Q), g_xdt.view(b, c, H, Q, P)
+        pre = torch.cumsum(g_seg, -1, out=decay)  # [m, H, Q, Q] (l, t): sum_{s <= t} g_seg[l, s]
+        torch.sum(pre.mul_(below), -2, out=g_cross[i0:i1])  # [m, H, Q]
+    g_xdt = g_xdt.view(b, c, H, Q, P)
+    if f is not None:
+        g_xdt.mul_(f)
+    g_a = F.pad(g_cross.view(b, c, H, Q)[..., :-1], (1, 0)).to(acs.dtype)  # [b, c, H, Q]: g_a[0] = 0
+    g_acs = g_a - F.pad(g_a[..., 1:], (0, 1))  # exact in float64: g_a[q] - g_a[q + 1]
+    return g_acs, g_CB.view(b, c, G, Q, Q), g_xdt
 
 
 # :func:`_intra_fwd` as a custom op (opaque to torch.compile: its in-place block loop and hand-written backward
@@ -219,14 +272,17 @@ def _chunk_masks(seq_idx: Tensor | None, b: int, c: int, Q: int, device: torch.d
     return keep, seq_ext, same_last, same_prev
 
 
-def _chunk_weights(acs: Tensor, same_last: Tensor | None, same_prev: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(w_end, w_out)`` ``[b, c, H, Q]``: each token's decay to its chunk's end (tokens of the chunk's last
-    sequence) and from the chunk's start (tokens of the entering sequence). Both ``<= 1``."""
-    w_end = _exp(acs[..., -1:] - acs)
-    w_out = _exp(acs)
+def _chunk_weights(
+    acs: Tensor, same_last: Tensor | None, same_prev: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(w_end, w_out)`` ``[b, c, H, Q]`` in ``dtype``: each token's decay to its chunk's end (tokens of the
+    chunk's last sequence) and from the chunk's start (tokens of the entering sequence). Both ``<= 1``.
+    ``acs`` float64 (:func:`_log_decays`): the differences are taken there."""
+    w_end = _exp((acs[..., -1:] - acs).to(dtype))
+    w_out = _exp(acs.to(dtype))
     if same_last is not None:
-        w_end = w_end * same_last.to(acs.dtype)
-        w_out = w_out * same_prev.to(acs.dtype)
+        w_end = w_end * same_last.to(dtype)
+        w_out = w_out * same_prev.to(dtype)
     return w_end, w_out
 
 
@@ -322,11 +378,11 @@ class _SSDCore:
         c = Tp // Q
         xdt = x.new_empty(b, c, H, Q, P)  # [b, c, H, Q, P] head-major inside each chunk
         torch.mul(x.reshape(b, c, Q, H, P).transpose(2, 3), dt.reshape(b, c, Q, H).transpose(2, 3).unsqueeze(-1), out=xdt)
-        acs = torch.cumsum(dt.reshape(b, c, Q, H) * A, dim=2).transpose(2, 3).contiguous()  # [b, c, H, Q]
+        acs = _log_decays(dt, A, b, c, Q, H)  # [b, c, H, Q] float64
         Bg = B.reshape(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
         Cg = C.reshape(b, c, Q, G, N).transpose(2, 3).contiguous()  # [b, c, G, Q, N]
         keep, seq_ext, same_last, same_prev = _chunk_masks(seq, b, c, Q, x.device)
-        w_end, w_out = _chunk_weights(acs, same_last, same_prev)  # [b, c, H, Q] each
+        w_end, w_out = _chunk_weights(acs, same_last, same_prev, x.dtype)  # [b, c, H, Q] each
         CB = torch.matmul(Cg, Bg.transpose(-1, -2))  # [b, c, G, Q, Q] per group
         return {"xdt": xdt, "acs": acs, "Bg": Bg, "Cg": Cg, "keep": keep, "seq_ext": seq_ext,
                 "w_end": w_end, "w_out": w_out, "CB": CB}
@@ -352,7 +408,7 @@ class _SSDCore:
         Bw = _SSDCore._b_end(p)  # [b, c, H, Q, N] B scaled by each head's decay to the chunk end
         states = torch.matmul(p["xdt"].transpose(-1, -2), Bw)  # [b, c, H, P, N]
         del Bw
-        d = _chunk_decays(p["acs"][..., -1], p["seq_ext"])  # [b, c, H]
+        d = _chunk_decays(p["acs"][..., -1].to(x.dtype), p["seq_ext"])  # [b, c, H]
         prev, final = _carry_states(states, d, init)  # [b, c, H, P, N], [b, H, P, N]
         del states
         y_off = torch.matmul(p["Cg"].view(bcG, Q, N), prev.view(bcG, k * P, N).transpose(1, 2))  # [bcG, Q, kP]
@@ -394,6 +450,7 @@ class _SSDCore:
         del g_yoff
         g_wout = (gy_q * y_off.view(b, c, G, Q, k, P)).sum(-1)  # [b, c, G, Q, k]
         g_acs = g_wout.transpose(3, 4).reshape(b, c, H, Q) * p["w_out"]  # [b, c, H, Q] (d w_out / d acs = w_out)
+        g_acs = g_acs.to(p["acs"].dtype)  # float64: the reverse cumsum below telescopes the intra part exactly
 
         # 3. across chunks
         g_states, g_d, g_init = _carry_states_bwd(prev, d, g_prev.view(b, c, H, P, N), g_final)
@@ -409,7 +466,7 @@ class _SSDCore:
         del g_Bw
         gw = g_wend * p["w_end"]  # d w_end / d acs_q = -w_end, d w_end / d acs_last = +w_end
         g_acs = g_acs - gw
-        g_acs[..., -1] += gw.sum(-1) + g_last
+        g_acs[..., -1] += gw.to(g_acs.dtype).sum(-1) + g_last
 
         # 1. intra-chunk
         gy_h = gy.view(b, c, Q, H, P).transpose(2, 3)  # [b, c, H, Q, P] head-major view, copied block by block
@@ -430,8 +487,8 @@ class _SSDCore:
             g_x.addcmul_(gy, _d_scale(D, x))
         g_dt = (g_xdt_t * x.reshape(b, c, Q, H, P)).sum(-1)  # [b, c, Q, H]
         g_a = g_acs.flip(-1).cumsum(-1).flip(-1).transpose(2, 3)  # [b, c, Q, H] through acs = cumsum(dt A)
-        g_dt = (g_dt + g_a * A).view(b, Tp, H)
-        g_A = (g_a * dt.reshape(b, c, Q, H)).sum((0, 1, 2))
+        g_dt = (g_dt + g_a * A.to(g_a.dtype)).to(x.dtype).view(b, Tp, H)
+        g_A = (g_a * dt.reshape(b, c, Q, H).to(g_a.dtype)).sum((0, 1, 2)).to(A.dtype)
         g_B = g_Bg.transpose(2, 3).reshape(b, Tp, G, N)
         g_C = g_Cg.transpose(2, 3).reshape(b, Tp, G, N)
         return g_x, g_dt, g_A, g_B, g_C, g_D, g_init
@@ -564,7 +621,7 @@ def _ssd_autograd(
     k, c = H // G, Tp // Q
     xdt = x * dt.unsqueeze(-1)  # [b, Tp, H, P]
     xdt_c = xdt.view(b, c, Q, H, P).transpose(2, 3)  # [b, c, H, Q, P]
-    acs = torch.cumsum((dt * A).view(b, c, Q, H).transpose(2, 3), dim=-1)  # [b, c, H, Q] cumulative log-decay
+    acs = _log_decays(dt, A, b, c, Q, H)  # [b, c, H, Q] cumulative log-decay, float64
     Bg = B.view(b, c, Q, G, N).transpose(2, 3)  # [b, c, G, Q, N]
     Cg = C.view(b, c, Q, G, N).transpose(2, 3)  # [b, c, G, Q, N]
     keep, seq_ext, same_last, same_prev = _chunk_masks(seq_idx, b, c, Q, x.device)
@@ -574,13 +631,13 @@ def _ssd_autograd(
     y = _intra_chunk(acs, CB, xdt_c, keep)  # [b, c, H, Q, P]
 
     # 2. chunk states: contribution of each chunk's tokens (of the chunk's last sequence) to its end state
-    w_end, w_out = _chunk_weights(acs, same_last, same_prev)  # [b, c, H, Q] each
+    w_end, w_out = _chunk_weights(acs, same_last, same_prev, x.dtype)  # [b, c, H, Q] each
     xw = (xdt_c * w_end.unsqueeze(-1)).view(b, c, G, k, Q, P)  # [b, c, G, k, Q, P]
     xw = xw.transpose(-1, -2).reshape(b, c, G, k * P, Q)  # [b, c, G, kP, Q]
     states = torch.matmul(xw, Bg).view(b, c, H, P, N)  # [b, c, H, P, N]
 
     # 3. across chunks
-    prev, final_state = _inter_chunk(acs[..., -1], states, initial_state, seq_ext)  # [b, c, H, P, N], [b, H, P, N]
+    prev, final_state = _inter_chunk(acs[..., -1].to(x.dtype), states, initial_state, seq_ext)  # [b, c, H, P, N], [b, H, P, N]
 
     # 4. inter-chunk output: y_l += exp(acs_l) C_l · prev (only for tokens of the entering sequence)
     prev_g = prev.reshape(b, c, G, k, P, N).permute(0, 1, 2, 5, 3, 4).reshape(b, c, G, N, k * P)  # [b, c, G, N, kP]
@@ -599,7 +656,7 @@ def _varlen_states(
 ) -> Tensor:
     """State at the last token of every sequence: ``[S, H, P, N]``, row-major order of appearance.
 
-    xdt_c ``[b, c, H, Q, P]``; acs ``[b, c, H, Q]``; Bg ``[b, c, G, Q, N]``; prev ``[b, c, H, P, N]``.
+    xdt_c ``[b, c, H, Q, P]``; acs ``[b, c, H, Q]`` (float64, :func:`_log_decays`); Bg ``[b, c, G, Q, N]``; prev ``[b, c, H, P, N]``.
     """
     b, c, H, _, P = xdt_c.shape
     G, N = Bg.shape[2], Bg.shape[4]
@@ -618,13 +675,13 @@ def _varlen_states(
     own = (j[None, :] <= li[:, None]) & (sq == sq.gather(1, li[:, None]))  # [S, Q] tokens of this sequence
     a = acs[row, ci]  # [S, H, Q]
     a_end = a.gather(2, li.view(S, 1, 1).expand(S, H, 1))  # [S, H, 1]
-    w = _exp((a_end - a).masked_fill(~own.unsqueeze(1), float("-inf")))  # [S, H, Q]
+    w = _exp((a_end - a).masked_fill(~own.unsqueeze(1), float("-inf")).to(xdt_c.dtype))  # [S, H, Q]
     xw = (xdt_c[row, ci] * w.unsqueeze(-1)).view(S, G, k, Q, P)  # [S, G, k, Q, P]
     xw = xw.transpose(-1, -2).reshape(S, G, k * P, Q)  # [S, G, kP, Q]
     st = torch.matmul(xw, Bg[row, ci]).view(S, H, P, N)  # [S, H, P, N]
     prev_seq = torch.where(ci > 0, seq_pad.view(b, c * Q)[row, (ci * Q - 1).clamp(min=0)], seq_pad[row, 0])  # [S]
     enters = (prev_seq == sq.gather(1, li[:, None]).squeeze(1)).to(st.dtype)  # [S]
-    w_prev = _exp(a_end.squeeze(-1)) * enters[:, None]  # [S, H]
+    w_prev = _exp(a_end.squeeze(-1).to(st.dtype)) * enters[:, None]  # [S, H]
     return st + w_prev[:, :, None, None] * prev[row, ci]  # [S, H, P, N]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from typing import Any
 
 import torch
@@ -647,4 +648,31 @@ def tiny_model(
     if strengthen and family not in UNSUPPORTED_TINY_FAMILIES:  # (minimax has no conv to find its mixers by)
         strengthen_mixers(model, seed=seed)
         _strengthen_inkling(model, seed)
-    return model.to(dtype).eval()
+    return _cast(model, dtype).eval()
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model.to(dtype)``, keeping in float32 what transformers keeps there when it builds or loads a model in
+    ``dtype``: ``_keep_in_fp32_modules_strict`` for float16 / bfloat16, and ``_keep_in_fp32_modules`` for
+    float16. (A plain ``.to(torch.bfloat16)`` breaks such models in stock transformers too: Inkling2's fp32
+    MoE router then multiplies a float32 input by a bfloat16 weight.)"""
+    keep = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not keep:
+        return model.to(dtype)
+    pattern = re.compile("|".join(rf"(^|\.){re.escape(k)}(\.|$)" for k in sorted(keep)))
+    held = [
+        (module, kind, name, tensor)
+        for prefix, module in model.named_modules()
+        for kind in ("_parameters", "_buffers")
+        for name, tensor in getattr(module, kind).items()
+        if tensor is not None and tensor.is_floating_point() and pattern.search(f"{prefix}.{name}".lstrip("."))
+    ]
+    saved = [t.detach().float().clone() for *_, t in held]
+    model.to(dtype)
+    for (module, kind, name, _), data in zip(held, saved):
+        getattr(module, kind)[name].data = data
+    return model

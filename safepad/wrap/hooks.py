@@ -27,6 +27,7 @@ from ..cache import (
     CachePreHook,
     SafepadGenerate,
     cache_argument,
+    cache_from_kwargs,
     cache_post_hook,
     needs_token_count,
 )
@@ -43,6 +44,7 @@ from ..layout.boundaries import packing_positions
 from ..layout.masks import check_mask_values, is_right_padded
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
+from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .slot_calls import slot_justify, slot_restore
 
@@ -141,6 +143,7 @@ class _ModelPreHook:
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
+        check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")))
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
         args, kwargs = slot_justify(module, info, args, kwargs, B, T)

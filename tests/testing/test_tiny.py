@@ -106,3 +106,19 @@ def test_strengthening_makes_the_state_corruption_larger():
         errs[strengthen] = res.max_state_error
         assert res.details["prefill_logits"] < 1e-4  # right padding only corrupts what comes after the prefill
     assert errs[True] > 10 * errs[False] > 0
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_low_precision_tiny_model_keeps_transformers_fp32_modules(dtype):
+    """tiny_model(dtype=...) keeps the dtype plan transformers applies when it builds the model in that dtype
+    (Inkling2: fp32 MoE router and residual convolutions); a plain ``.to(bf16)`` crashed the stock model."""
+    import transformers
+
+    model = tiny_model("inkling2_text", dtype=dtype)
+    built = transformers.AutoModelForCausalLM.from_config(tiny_config("inkling2_text"), dtype=dtype)
+    want = {n: t.dtype for n, t in [*built.named_parameters(), *built.named_buffers()] if t.is_floating_point()}
+    got = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
+    assert got == want
+    assert torch.float32 in got.values() and dtype in got.values()
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(input_ids=ids).logits).all()

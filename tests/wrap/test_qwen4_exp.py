@@ -105,3 +105,13 @@ def test_right_padded_prefill_then_decode_keeps_each_rows_ngram_history(models):
             ctx_ok = ctx_ok and all(torch.equal(c[b], s[-c.shape[1] :]) for c in ctx)
         assert ctx_ok == ok, (model is wrapped, ctx)
         assert (err < 1e-4) == ok, (model is wrapped, err)
+
+
+@torch.no_grad()
+def test_cache_of_another_batch_size_raises_naming_it(models):
+    """A 3-row cache passed to a 2-row decode: stock fails at a raw torch.cat of the indexer position ids."""
+    _, wrapped = models
+    ids = torch.stack([_ids(8, s) for s in range(3)])  # [3, 8]
+    cache = wrapped(input_ids=ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="cache holds states for 3 rows but this call has 2 rows"):
+        wrapped(input_ids=ids[:2, -1:], **_cache_kw(wrapped, cache), use_cache=True)
