@@ -1,0 +1,216 @@
+"""Count the host syncs a piece of code would cost on an accelerator, by running it on CPU.
+
+On CUDA every op whose result the host must read stalls the stream until the device catches up, and a step
+containing one cannot be captured in a CUDA graph: ``.item()`` / ``bool(t)`` / ``int(t)`` / ``float(t)``
+(``aten._local_scalar_dense``), ``tolist()``, ``torch.equal``, ``nonzero`` (also ``torch.where(mask)``,
+``argwhere``), boolean-mask indexing and assignment (``x[mask]``, ``x[mask] = v``), ``masked_select``,
+``unique``, and ``repeat_interleave`` without ``output_size`` (its output length is data). On CPU these ops
+cost nothing special, but they still go through the dispatcher, so a :class:`~torch.utils._python_dispatch.
+TorchDispatchMode` sees each of them: :func:`count_syncs` counts them during a call (forward and backward).
+
+``.cpu()`` / ``.to("cpu")`` of a device tensor is a sync too, but a no-op on CPU tensors: it is not counted.
+
+Example::
+
+    from safepad.testing.syncs import count_syncs
+
+    out, n, ops = count_syncs(lambda: model(input_ids, seq_idx=seq_idx).loss.backward())
+    assert n <= 2, ops            # ops: Counter({"aten._local_scalar_dense": 1, ...})
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["SYNC_OPS", "SyncCount", "SyncCounter", "count_syncs", "decode_step", "packed_train_step"]
+
+#: aten ops (overload packet names) that read device data on the host whenever they run
+SYNC_OPS: frozenset[str] = frozenset(
+    {
+        "aten._local_scalar_dense",  # .item(), bool(t), int(t), float(t), `if t:`
+        "aten.equal",  # torch.equal
+        "aten.nonzero",  # nonzero, torch.where(mask), argwhere
+        "aten.masked_select",
+        "aten._unique",
+        "aten._unique2",
+        "aten.unique_dim",
+        "aten.unique_consecutive",
+        "aten.unique_dim_consecutive",
+    }
+)
+#: ops that sync only for some arguments (see :func:`_is_sync`)
+_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+#: Tensor methods that copy device data to the host (seen by a TorchFunctionMode: they dispatch no aten op on CPU)
+_HOST_METHODS = frozenset({"tolist", "numpy"})
+
+
+class SyncCount(NamedTuple):
+    """What :func:`count_syncs` returns: ``result, count, ops = count_syncs(fn)``."""
+
+    #: what ``fn()`` returned
+    result: Any
+    #: the number of host syncs
+    count: int
+    #: op name (``"aten._local_scalar_dense"``, ``"Tensor.tolist"``, ...) -> how many times it ran
+    ops: Counter
+
+
+def _bool_index(indices) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (indices or ()) if i is not None
+    )
+
+
+def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
+    if name in SYNC_OPS:
+        return True
+    if name in _INDEX_OPS:  # x[mask] / x[mask] = v: the number of selected entries is read first
+        return len(args) > 1 and _bool_index(args[1])
+    if name == "aten.repeat_interleave":  # .Tensor(repeats, *, output_size): the output length is data without it
+        return isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and kwargs.get("output_size") is None
+    return False
+
+
+class _DispatchCounter(TorchDispatchMode):
+    def __init__(self, owner: "SyncCounter"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        if _is_sync(name, args, kwargs):
+            self.owner._record(name)
+        return func(*args, **kwargs)
+
+
+class _FunctionCounter(TorchFunctionMode):
+    def __init__(self, owner: "SyncCounter"):
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _HOST_METHODS and args and isinstance(args[0], torch.Tensor):
+            self.owner._record(f"Tensor.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+class SyncCounter:
+    """Context manager counting host syncs: ``with SyncCounter() as c: ...``; then ``c.count``, ``c.ops``.
+
+    ``stacks=True`` also keeps, for every sync, the Python frames that led to it (``c.stacks``: a list of
+    ``(op name, formatted stack)``), to find where a sync comes from.
+    """
+
+    def __init__(self, stacks: bool = False):
+        self.ops: Counter = Counter()
+        self.stacks: list[tuple[str, str]] = []
+        self._keep_stacks = stacks
+        self._modes: list = []
+
+    @property
+    def count(self) -> int:
+        return sum(self.ops.values())
+
+    def _record(self, name: str) -> None:
+        self.ops[name] += 1
+        if self._keep_stacks:
+            frames = [f for f in traceback.extract_stack()[:-3] if "torch/" not in f.filename or "autograd" in f.filename]
+            self.stacks.append((name, "".join(traceback.format_list(frames[-12:]))))
+
+    def __enter__(self) -> "SyncCounter":
+        self._modes = [_FunctionCounter(self), _DispatchCounter(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        self._modes = []
+
+
+def count_syncs(fn: Callable[[], Any], *, stacks: bool = False) -> SyncCount:
+    """Run ``fn()`` and count the host syncs it makes (forward and any backward it runs).
+
+    Returns ``SyncCount(result, count, ops)``: ``fn``'s result, the number of syncs, and a ``Counter`` of the
+    ops that made them. Use it on CPU tensors: it counts what each op would cost on an accelerator.
+    ``stacks=True`` prints nothing but keeps the stacks: use :class:`SyncCounter` directly to read them.
+    """
+    with SyncCounter(stacks=stacks) as counter:
+        result = fn()
+    return SyncCount(result, counter.count, counter.ops)
+
+
+def packed_train_step(model: torch.nn.Module, lengths: tuple[int, ...] = (5, 9, 7), seed: int = 0) -> Callable[[], Any]:
+    """A closure running one packed training step of ``model``: one ``[1, sum(lengths)]`` row holding
+    ``len(lengths)`` sequences, described by ``seq_idx`` (the collator's fast path; ``position_ids`` restarting
+    at 0 too when the forward takes them), labels, forward and ``loss.backward()``. Returns the loss."""
+    import inspect
+
+    from ..context import position_ids_from_seq_idx
+
+    first = next(model.parameters())
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    ids = torch.randint(3, int(cfg.vocab_size), (1, T), generator=gen).to(first.device)  # [1, T]
+    seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]  # [1, T]
+    seq_idx = seq_idx.to(first.device)
+    labels = ids.clone()
+    labels[0, torch.cumsum(torch.tensor(lengths), 0)[:-1].tolist()] = -100  # no loss across a boundary
+    kwargs: dict[str, Any] = {"input_ids": ids, "labels": labels, "seq_idx": seq_idx, "use_cache": False}
+    params = inspect.signature(model.forward).parameters
+    if "position_ids" in params:
+        kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(**kwargs).loss
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def decode_step(model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: int = 0) -> Callable[[], Any]:
+    """A closure running one cached single-token decode step of ``model`` over ``batch`` left-padded rows.
+
+    The prefill (rows of ``prompt - b % 3`` real tokens, left-padded) runs when the closure is built, under
+    ``torch.no_grad()``; the closure feeds one new token per row with the cache and the extended mask, as
+    ``generate()`` does, and returns the ``[B, 1, V]`` logits. Each call re-runs the same step from the
+    same cache state (a copy), so it may be called repeatedly.
+    """
+    import copy
+
+    from .scenarios import _ModelIO
+
+    io = _ModelIO(model)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, io.vocab, (batch, prompt), generator=gen)  # [B, L]
+    mask = torch.ones(batch, prompt, dtype=torch.long)
+    for b in range(batch):
+        mask[b, : b % 3] = 0  # left pads
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L]
+    with torch.no_grad():
+        _, cache = io(ids, attention_mask=mask, position_ids=position_ids, cache=io.fresh_cache(), use_cache=True)
+    nxt = torch.randint(3, io.vocab, (batch, 1), generator=gen)  # [B, 1]
+    full = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)  # [B, L + 1]
+    pos = position_ids[:, -1:] + 1  # [B, 1]
+    snapshot = copy.deepcopy(cache)
+
+    def step():
+        with torch.no_grad():
+            logits, _ = io(nxt, attention_mask=io.decode_mask(full), position_ids=pos, cache=copy.deepcopy(snapshot),
+                           use_cache=True)
+        return logits
+
+    return step
