@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ._tracing import device_check, tracing
 from .layout.boundaries import (
+    known_multi_sequence,
     mark_valid_seq_idx,
     position_ids_restart,
     seq_idx_from_cu_seqlens,
@@ -142,6 +143,9 @@ def multi_sequence(seq_idx: Tensor) -> Tensor:
 
 
 def _multi_sequence(seq_idx: Tensor) -> bool:
+    known = known_multi_sequence(seq_idx)  # recorded by validate_seq_idx's one host read
+    if known is not None:
+        return known
     return bool((seq_idx[:, -1] != seq_idx[:, 0]).any()) if seq_idx.shape[1] > 1 else False
 
 

@@ -62,9 +62,14 @@ def validate_seq_idx(seq_idx: Tensor, shape: tuple[int, int] | None = None, name
                 "(a new sequence starts wherever the value increases)",
             )
     elif seq_idx.numel() and not fact(seq_idx, "valid_seq_idx", False):
-        decreasing = (seq_idx[:, 1:] < seq_idx[:, :-1]).any() if seq_idx.shape[1] > 1 else None
-        negative, decreasing = torch.stack([(seq_idx < 0).any(), decreasing if decreasing is not None else
-                                            torch.zeros((), dtype=torch.bool, device=seq_idx.device)]).tolist()
+        # one host read for both checks, and for whether a row holds several sequences (recorded below)
+        no = torch.zeros((), dtype=torch.bool, device=seq_idx.device)
+        long = seq_idx.shape[1] > 1
+        negative, decreasing, multi = torch.stack([
+            (seq_idx < 0).any(),
+            (seq_idx[:, 1:] < seq_idx[:, :-1]).any() if long else no,
+            (seq_idx[:, -1] != seq_idx[:, 0]).any() if long else no,
+        ]).tolist()
         if negative:
             raise ValueError(f"{name} must be non-negative")
         if decreasing:
@@ -73,6 +78,7 @@ def validate_seq_idx(seq_idx: Tensor, shape: tuple[int, int] | None = None, name
                 f"{name} decreases inside row {row}: it must be non-decreasing along the sequence dimension "
                 "(a new sequence starts wherever the value increases)"
             )
+        return mark_valid_seq_idx(seq_idx.to(torch.int32), multi_sequence=multi)
     return seq_idx.to(torch.int32)
 
 

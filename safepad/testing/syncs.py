@@ -29,7 +29,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SYNC_OPS", "SyncCount", "SyncCounter", "count_syncs", "decode_step", "packed_train_step"]
+__all__ = [
+    "KIND_FAMILIES",
+    "SYNC_OPS",
+    "SyncCount",
+    "SyncCounter",
+    "count_syncs",
+    "decode_step",
+    "depth_overrides",
+    "packed_train_step",
+]
 
 #: aten ops (overload packet names) that read device data on the host whenever they run
 SYNC_OPS: frozenset[str] = frozenset(
@@ -174,7 +183,8 @@ def packed_train_step(model: torch.nn.Module, lengths: tuple[int, ...] = (5, 9, 
 
     def step():
         model.zero_grad(set_to_none=True)
-        loss = model(**kwargs).loss
+        # fresh tensors every step, as a collator gives: nothing recorded about an earlier step's batch carries over
+        loss = model(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}).loss
         loss.backward()
         return loss.detach()
 
@@ -187,7 +197,8 @@ def decode_step(model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: i
     The prefill (rows of ``prompt - b % 3`` real tokens, left-padded) runs when the closure is built, under
     ``torch.no_grad()``; the closure feeds one new token per row with the cache and the extended mask, as
     ``generate()`` does, and returns the ``[B, 1, V]`` logits. Each call re-runs the same step from the
-    same cache state (a copy), so it may be called repeatedly.
+    same cache state (a copy), so it may be called repeatedly. ``step.rows`` holds each row's real tokens
+    (prompt, then the decoded token), for a reference that runs every row alone.
     """
     import copy
 
@@ -213,4 +224,49 @@ def decode_step(model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: i
                            use_cache=True)
         return logits
 
+    #: each row's real tokens, prompt then the decoded one (``[n_b + 1]`` each): the reference runs them alone
+    step.rows = [torch.cat([ids[b][mask[b].bool()], nxt[b]]) for b in range(batch)]
     return step
+
+
+#: one tiny family per mixer kind (``MixerSpec.kind``; ``safepad/mixers/``) for the structural sync tests
+KIND_FAMILIES: dict[str, str] = {
+    "mamba2": "mamba2",
+    "mamba2 (hybrid)": "nemotron_h",
+    "mamba1": "mamba",
+    "gated_delta": "qwen3_next",
+    "gated_delta (kda)": "kimi_linear",
+    "short_conv": "lfm2",
+    "rg_lru": "recurrent_gemma",
+    "cca": "zaya",
+    "attn_conv": "inkling_text",
+    "ple": "qwen4_exp_text",
+}
+
+
+def depth_overrides(family: str, n_layers: int) -> dict[str, Any]:
+    """Config overrides giving the tiny ``family`` model ``n_layers >= 2`` layers, every one past the second a
+    sequence mixer (hybrids keep one attention layer, second), so that the layer count scales the mixers only."""
+    if n_layers < 2:
+        raise ValueError(f"n_layers must be >= 2, got {n_layers}")
+    extra = n_layers - 2
+    if family in ("mamba2", "mamba", "falcon_mamba", "zaya"):
+        return {"num_hidden_layers": n_layers}
+    if family == "nemotron_h":
+        return {"layers_block_type": ["mamba", "attention"] + ["mamba"] * extra}
+    if family == "lfm2":
+        return {"num_hidden_layers": n_layers, "layer_types": ["conv", "full_attention"] + ["conv"] * extra}
+    if family == "recurrent_gemma":
+        return {"num_hidden_layers": n_layers, "block_types": ["recurrent", "attention"] + ["recurrent"] * extra}
+    if family == "inkling_text":
+        return {"num_hidden_layers": n_layers, "layer_types": ["hybrid_sliding", "hybrid"] + ["hybrid"] * extra}
+    linear = {"num_hidden_layers": n_layers,
+              "layer_types": ["linear_attention", "full_attention"] + ["linear_attention"] * extra}
+    if family == "qwen3_next":
+        return linear
+    if family == "kimi_linear":
+        return {**linear, "mlp_layer_types": ["dense", "sparse"] + ["dense"] * extra}
+    if family == "qwen4_exp_text":
+        types = ["linear_attention", "indexed_attention"] + ["linear_attention"] * extra
+        return {"num_hidden_layers": n_layers, "layer_types": types, "ple_layer_ids": [1]}
+    raise ValueError(f"family: no depth overrides for {family!r}; choose one of {sorted(set(KIND_FAMILIES.values()))}")
