@@ -7,27 +7,27 @@ hands to the mixers (the call context's ``seq_idx``); the ops read the record in
 
 A record holds for the tensor's current ``_version``: any in-place write to it (or to a view of it) bumps the
 version and voids the record, and a derived tensor (a slice, a gather, a cast that copies) carries none, so
-it is checked again. Tensors that no hook has seen (an op called directly) carry no record and are always
-checked. Nothing is recorded or read while tracing (``torch.compile`` checks on the device instead).
+it is checked again. A tensor no hook has seen (an op called directly) is checked by the op, which records
+the result the same way. Nothing is recorded or read while tracing (``torch.compile`` checks on the device).
 
-Parameter-derived facts (:func:`param_fact`) are cached the same way, per parameter version: an optimizer step
-writes the parameter in place and so voids them. A write through ``param.data`` bypasses the version counter
-(as it bypasses autograd), so it does not void them either.
+Facts that follow from how a tensor was built need no check at all: the Mamba1 mixers build
+``A = -exp(A_log)`` and record it as non-positive, so ``selective_scan`` skips its sign check (a host read per
+layer) without caching anything per parameter version, which an optimizer step would void every step.
+A write through ``.data`` bypasses the version counter (as it bypasses autograd): do not write a recorded
+tensor's values through ``.data``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
 from .._tracing import tracing
 
-__all__ = ["fact", "param_fact", "record"]
+__all__ = ["fact", "record"]
 
 _ATTR = "_safepad_facts"
-_MISSING = object()
 
 
 def record(t: Tensor, **facts: Any) -> Tensor:
@@ -49,13 +49,3 @@ def fact(t: object, name: str, default: Any = None) -> Any:
     if rec is None or rec[0] != t._version:
         return default
     return rec[1].get(name, default)
-
-
-def param_fact(param: Tensor, name: str, compute: Callable[[], Any]) -> Any:
-    """``compute()`` once per version of ``param`` (a parameter or buffer): later calls return the cached value
-    until ``param`` is written in place. While tracing, ``compute()`` runs every time (it must not sync then)."""
-    value = fact(param, name, _MISSING)
-    if value is _MISSING:
-        value = compute()
-        record(param, **{name: value})
-    return value
