@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -200,8 +201,6 @@ def decode_step(model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: i
     same cache state (a copy), so it may be called repeatedly. ``step.rows`` holds each row's real tokens
     (prompt, then the decoded token), for a reference that runs every row alone.
     """
-    import copy
-
     from .scenarios import _ModelIO
 
     io = _ModelIO(model)
@@ -241,6 +240,7 @@ KIND_FAMILIES: dict[str, str] = {
     "cca": "zaya",
     "attn_conv": "inkling_text",
     "ple": "qwen4_exp_text",
+    "dsa_indexer": "glm5_next",
 }
 
 
@@ -269,4 +269,10 @@ def depth_overrides(family: str, n_layers: int) -> dict[str, Any]:
     if family == "qwen4_exp_text":
         types = ["linear_attention", "indexed_attention"] + ["linear_attention"] * extra
         return {"num_hidden_layers": n_layers, "layer_types": types, "ple_layer_ids": [1]}
+    if family == "glm5_next":  # a VLM: the layer pattern lives in its text config
+        from .tiny import _TINY
+
+        text = copy.deepcopy(_TINY["glm5_next"]["text_config"])
+        text.update(linear, mlp_layer_types=["dense", "sparse"] + ["dense"] * extra, indexer_types=["full"] * n_layers)
+        return {"text_config": text}
     raise ValueError(f"family: no depth overrides for {family!r}; choose one of {sorted(set(KIND_FAMILIES.values()))}")
