@@ -8,7 +8,8 @@ containing one cannot be captured in a CUDA graph: ``.item()`` / ``bool(t)`` / `
 cost nothing special, but they still go through the dispatcher, so a :class:`~torch.utils._python_dispatch.
 TorchDispatchMode` sees each of them: :func:`count_syncs` counts them during a call (forward and backward).
 
-``.cpu()`` / ``.to("cpu")`` of a device tensor is a sync too, but a no-op on CPU tensors: it is not counted.
+``.cpu()`` / ``.to("cpu")`` / a ``copy_`` into a CPU tensor is a sync too when the source is a device tensor
+(counted then); on CPU tensors it is a no-op copy, so a CPU run cannot see it.
 
 Example::
 
@@ -85,7 +86,20 @@ def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
         return len(args) > 1 and _bool_index(args[1])
     if name == "aten.repeat_interleave":  # .Tensor(repeats, *, output_size): the output length is data without it
         return isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and kwargs.get("output_size") is None
+    if name == "aten._to_copy":  # .cpu() / .to("cpu") of a device tensor (a no-op copy on CPU tensors)
+        device = kwargs.get("device")
+        return _on_device(args[0]) and device is not None and torch.device(device).type == "cpu" and not kwargs.get(
+            "non_blocking", False
+        )
+    if name == "aten.copy_":  # cpu_tensor.copy_(device_tensor)
+        return len(args) > 1 and _on_device(args[1]) and not _on_device(args[0]) and not (
+            len(args) > 2 and args[2]
+        )
     return False
+
+
+def _on_device(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
 
 
 class _DispatchCounter(TorchDispatchMode):
@@ -148,14 +162,14 @@ class SyncCounter:
         self._modes = []
 
 
-def count_syncs(fn: Callable[[], Any], *, stacks: bool = False) -> SyncCount:
+def count_syncs(fn: Callable[[], Any]) -> SyncCount:
     """Run ``fn()`` and count the host syncs it makes (forward and any backward it runs).
 
     Returns ``SyncCount(result, count, ops)``: ``fn``'s result, the number of syncs, and a ``Counter`` of the
-    ops that made them. Use it on CPU tensors: it counts what each op would cost on an accelerator.
-    ``stacks=True`` prints nothing but keeps the stacks: use :class:`SyncCounter` directly to read them.
+    ops that made them. On CPU tensors it counts what each op would cost on an accelerator; on CUDA tensors it
+    counts device-to-host copies too. :class:`SyncCounter` (``stacks=True``) also tells where each one came from.
     """
-    with SyncCounter(stacks=stacks) as counter:
+    with SyncCounter() as counter:
         result = fn()
     return SyncCount(result, counter.count, counter.ops)
 
