@@ -103,7 +103,7 @@ def _on_device(t: object) -> bool:
 
 
 class _DispatchCounter(TorchDispatchMode):
-    def __init__(self, owner: "SyncCounter"):
+    def __init__(self, owner: SyncCounter):
         super().__init__()
         self.owner = owner
 
@@ -116,7 +116,7 @@ class _DispatchCounter(TorchDispatchMode):
 
 
 class _FunctionCounter(TorchFunctionMode):
-    def __init__(self, owner: "SyncCounter"):
+    def __init__(self, owner: SyncCounter):
         super().__init__()
         self.owner = owner
 
@@ -150,7 +150,7 @@ class SyncCounter:
             frames = [f for f in traceback.extract_stack()[:-3] if "torch/" not in f.filename or "autograd" in f.filename]
             self.stacks.append((name, "".join(traceback.format_list(frames[-12:]))))
 
-    def __enter__(self) -> "SyncCounter":
+    def __enter__(self) -> SyncCounter:  # noqa: PYI034 (Self needs Python 3.11)
         self._modes = [_FunctionCounter(self), _DispatchCounter(self)]
         for mode in self._modes:
             mode.__enter__()
