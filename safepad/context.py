@@ -32,6 +32,8 @@ from torch import Tensor
 
 from ._tracing import device_check, tracing
 from .layout.boundaries import (
+    known_multi_sequence,
+    mark_valid_seq_idx,
     packing_positions,
     position_ids_restart,
     seq_idx_from_cu_seqlens,
@@ -142,6 +144,9 @@ def multi_sequence(seq_idx: Tensor) -> Tensor:
 
 
 def _multi_sequence(seq_idx: Tensor) -> bool:
+    known = known_multi_sequence(seq_idx)  # recorded by validate_seq_idx's one host read
+    if known is not None:
+        return known
     return bool((seq_idx[:, -1] != seq_idx[:, 0]).any()) if seq_idx.shape[1] > 1 else False
 
 
@@ -226,7 +231,7 @@ def boundaries_from_kwargs(
         else:
             m = padding_mask[:, -T:].to(device=position_ids.device, dtype=torch.bool)  # [B, T]
             starts = (position_ids == 0) & m & (m.cumsum(1) > 1)  # a 0 at a real token after the first one
-            if out is not None or bool(starts.any()):
+            if out is not None or (T > 1 and bool(starts.any())):  # one token: no restart after it
                 from_pos = starts.cumsum(1).to(torch.int32)  # [B, T]; pads take their neighbours' ids
         if from_pos is not None:
             if out is not None:
@@ -241,6 +246,8 @@ def boundaries_from_kwargs(
                 out, source = from_pos, "position_ids"
     if out is not None and not _multi_sequence(out):
         return None, source
+    if out is not None:
+        mark_valid_seq_idx(out, multi_sequence=True)  # validated once here: the mixers' ops skip their host reads
     return out, source
 
 

@@ -23,8 +23,11 @@ import torch
 from torch import Tensor
 
 from .._tracing import device_check, tracing
+from .facts import fact, record
 
 __all__ = [
+    "known_multi_sequence",
+    "mark_valid_seq_idx",
     "validate_seq_idx",
     "validate_cu_seqlens",
     "seq_idx_from_cu_seqlens",
@@ -42,7 +45,8 @@ def validate_seq_idx(seq_idx: Tensor, shape: tuple[int, int] | None = None, name
     """Check a ``[B, T]`` integer ``seq_idx`` and return it as int32.
 
     Raises ``ValueError`` when it is not a 2-D integer tensor, does not match ``shape``, is
-    negative, or decreases inside a row.
+    negative, or decreases inside a row. The value checks (a host read) are skipped for a tensor whose
+    validity is recorded (:func:`mark_valid_seq_idx`, done once per model call by ``safepad.wrap``).
     """
     if not isinstance(seq_idx, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of shape [batch, seqlen], got {type(seq_idx).__name__}")
@@ -60,16 +64,39 @@ def validate_seq_idx(seq_idx: Tensor, shape: tuple[int, int] | None = None, name
                 f"{name} decreases inside a row: it must be non-decreasing along the sequence dimension "
                 "(a new sequence starts wherever the value increases)",
             )
-    elif seq_idx.numel():
-        if bool((seq_idx < 0).any()):
+    elif seq_idx.numel() and not fact(seq_idx, "valid_seq_idx", False):
+        # one host read for both checks, and for whether a row holds several sequences (recorded below)
+        no = torch.zeros((), dtype=torch.bool, device=seq_idx.device)
+        long = seq_idx.shape[1] > 1
+        negative, decreasing, multi = torch.stack([
+            (seq_idx < 0).any(),
+            (seq_idx[:, 1:] < seq_idx[:, :-1]).any() if long else no,
+            (seq_idx[:, -1] != seq_idx[:, 0]).any() if long else no,
+        ]).tolist()
+        if negative:
             raise ValueError(f"{name} must be non-negative")
-        if seq_idx.shape[1] > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        if decreasing:
             row = int((seq_idx[:, 1:] < seq_idx[:, :-1]).any(dim=1).nonzero()[0])
             raise ValueError(
                 f"{name} decreases inside row {row}: it must be non-decreasing along the sequence dimension "
                 "(a new sequence starts wherever the value increases)"
             )
+        return mark_valid_seq_idx(seq_idx.to(torch.int32), multi_sequence=multi)
     return seq_idx.to(torch.int32)
+
+
+def mark_valid_seq_idx(seq_idx: Tensor, multi_sequence: bool | None = None) -> Tensor:
+    """Record that ``seq_idx`` ``[B, T]`` int32 passed :func:`validate_seq_idx` (and, when known, whether some row
+    holds several sequences), so that the ops given this tensor skip their host reads. Returns ``seq_idx``."""
+    facts: dict = {"valid_seq_idx": True}
+    if multi_sequence is not None:
+        facts["multi_sequence"] = bool(multi_sequence)
+    return record(seq_idx, **facts)
+
+
+def known_multi_sequence(seq_idx: Tensor) -> bool | None:
+    """Whether some row of ``seq_idx`` holds several sequences, when recorded (:func:`mark_valid_seq_idx`)."""
+    return fact(seq_idx, "multi_sequence")
 
 
 def validate_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, name: str = "cu_seqlens") -> Tensor:

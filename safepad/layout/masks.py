@@ -32,7 +32,7 @@ def normalize_mask(attention_mask: Tensor | None, shape: tuple[int, int], name: 
     The mask may be longer than ``T`` (a full-length mask during chunked prefill or decode); its last ``T``
     columns are the current tokens. Anything that is not a 2-D mask (a 4-D custom mask, a dict of masks)
     carries no padding information for a recurrent layer and gives ``None``. While tracing
-    (``torch.compile``) an all-ones mask is returned as it is.
+    (``torch.compile``) and for one token (``T == 1``, a decode step) an all-ones mask is returned as it is.
     """
     if attention_mask is None or not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
         return None
@@ -43,8 +43,10 @@ def normalize_mask(attention_mask: Tensor | None, shape: tuple[int, int], name: 
             "pass a [batch, seqlen] mask (or the full-length mask of the cached context plus the new tokens)"
         )
     mask = attention_mask[:, -T:].to(torch.bool)  # [B, T]
-    if tracing():
-        return mask  # no host sync: an all-ones mask stays a mask (every token real, the same result)
+    if tracing() or T == 1:
+        # no host sync (under compile, and on every one-token decode step, which a CUDA graph may capture): an
+        # all-ones mask stays a mask (every token real, the same result)
+        return mask
     if bool(mask.all()):
         return None
     return mask

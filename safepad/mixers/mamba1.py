@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import read_states, write_states
+from ..layout.facts import record
 from ..ops.selective_scan import selective_scan, selective_state_step
 from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
@@ -84,7 +85,7 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
     H = self.n_mamba_heads
     P = I // H
     mask = layout.mask
-    A = -torch.exp(self.A_log.float())  # [H, P, N]
+    A = -torch.exp(self.A_log.float())  # [H, P, N]; -exp(.) <= 0: each head's slice is recorded so (no sign check)
     D = self.D.float()  # [H, P]
     bias = self.dt_proj_bias.float() if self.dt_proj_bias is not None else None  # [H, P]
     if past.has_previous and T == 1:
@@ -95,7 +96,8 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
         ys, states = [], []
         for h in range(H):
             y_h, s_h = selective_state_step(
-                past.recurrent[:, h], xh[:, h], dt[:, h], A[h], Bm[:, h], Cm[:, h], D=D[h], z=zh[:, h],
+                past.recurrent[:, h], xh[:, h], dt[:, h], record(A[h], nonpositive=True), Bm[:, h], Cm[:, h], D=D[h],
+                z=zh[:, h],
                 delta_bias=None if bias is None else bias[h], delta_softplus=True, backend=backend,
             )  # [B, P], [B, P, N]
             ys.append(y_h)
@@ -119,7 +121,7 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
     ys, states = [], []
     for h in range(H):
         out = scan(
-            xh[:, :, h], dt[:, :, h], A[h], Bm[:, :, h], Cm[:, :, h], D=D[h], z=zh[:, :, h],
+            xh[:, :, h], dt[:, :, h], record(A[h], nonpositive=True), Bm[:, :, h], Cm[:, :, h], D=D[h], z=zh[:, :, h],
             delta_bias=None if bias is None else bias[h], delta_softplus=True, seq_idx=layout.seq_idx,
             initial_state=None if past.recurrent is None else past.recurrent[:, h], token_mask=mask,
             return_final_state=want_state, backend=backend,
@@ -162,7 +164,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         return layout.restore(self.out_proj(y.to(dtype)))
     x, gate = projected.split([I, I], dim=-1)  # [B, T, I], [B, T, I]
 
-    A = -torch.exp(self.A_log.float())  # [I, N]
+    A = record(-torch.exp(self.A_log.float()), nonpositive=True)  # [I, N]; -exp(.) <= 0: no sign check needed
     D = self.D.float()  # [I]
     past = read_states(cache, self.layer_idx)
 

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from safepad._tracing import device_check, tracing
-from safepad.layout.boundaries import validate_seq_idx
+from safepad.layout.boundaries import known_multi_sequence, validate_seq_idx
+from safepad.layout.facts import fact
 from safepad.ops import kernels
 from safepad.ops.amp import fp32_core
 from safepad.ops.dt import process_dt
@@ -241,7 +242,7 @@ def _check_A(A: object, Dm: int) -> Tensor:
     message = "A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up"
     if A.numel() and tracing():
         device_check(~(A > 0).any(), message)
-    elif A.numel() and bool((A > 0).any()):
+    elif A.numel() and not fact(A, "nonpositive", False) and bool((A > 0).any()):
         raise ValueError(message)
     return A
 
@@ -390,6 +391,8 @@ def selective_scan(
 
     if torch.compiler.is_compiling():
         multi_seq = seq_idx is not None and T > 1  # no host sync while tracing: reset wherever seq_idx changes
+    elif seq_idx is not None and T > 1 and known_multi_sequence(seq_idx) is not None:
+        multi_seq = known_multi_sequence(seq_idx)  # decided once by the model call (safepad.wrap): no host read
     else:
         multi_seq = seq_idx is not None and T > 1 and bool((seq_idx[:, 1:] != seq_idx[:, :-1]).any())
     grads_to_state = return_final_state and torch.is_grad_enabled() and any(

@@ -40,7 +40,7 @@ from ..context import (
     multi_sequence,
     position_ids_from_seq_idx,
 )
-from ..layout.boundaries import packing_positions
+from ..layout.boundaries import mark_valid_seq_idx, packing_positions
 from ..layout.masks import check_mask_values, is_right_padded
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
@@ -151,7 +151,8 @@ class _ModelPreHook:
         record = module._safepad_slot_calls[-1]
         token_mask = record.call.token_mask if record is not None and record.call is not None else None
         mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
-        padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
+        # a one-token step keeps its 2-D mask unread (no host sync; rows marked real are unaffected), as under compile
+        padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and (T == 1 or not bool(mask.all()))
         position_ids = kwargs.get("position_ids")
         seq_idx, source = boundaries_from_kwargs(
             (B, T),
@@ -173,8 +174,8 @@ class _ModelPreHook:
                 seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
         decode_mask = None
-        if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask[:, -1].all()):
-            decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token is padding in some rows
+        if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token may be padding in some rows
         padding_mask = mask if padding and seq_idx is None else None
         token = enter_call(
             CallContext(
@@ -321,7 +322,8 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
             "or between real tokens; packed rows may only end in padding. Put the pads at the end of each row (the "
             "safepad collator packs without any), or pad one sequence per row without packing boundaries."
         )
-    return torch.where(mask, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
+    out = torch.where(mask, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
+    return mark_valid_seq_idx(out, multi_sequence=True)  # non-decreasing: a valid seq_idx, trailing pads added
 
 
 def _post_hook(module: nn.Module, args, output):
