@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .._tracing import tracing
+from .._tracing import device_check, tracing
 
 __all__ = [
     "check_mask_values",
@@ -116,21 +116,29 @@ class Compaction:
         return torch.zeros_like(y).scatter(1, idx, y)
 
 
-def check_mask_values(attention_mask: Tensor | None) -> None:
+_MASK_VALUES_MESSAGE = (
+    "attention_mask: a 2-D attention_mask is a padding mask holding 1 for a real token and 0 for a pad (or bool); "
+    "this one ({dtype}) holds {what}. An additive mask (0 keep, -inf pad) must be converted first: pass "
+    "`(additive_mask == 0).long()`."
+)
+
+
+def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) -> None:
     """Raise unless a 2-D ``[B, T]`` ``attention_mask`` is a padding mask: bool, or holding only 0 and 1.
 
     A float *additive* mask (0 keep, ``-inf`` / a large negative number for pads) reads as "every token is real
     except the ones holding exactly 0" under transformers' 2-D convention, so it silently keeps the pads and drops
-    real tokens. One host read per call (none for a bool mask, nor while tracing); other shapes pass.
+    real tokens. One host read per call (none for a bool mask; on the device while tracing or with ``on_device``);
+    other shapes pass.
     """
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.dtype == torch.bool:
         return
-    if tracing() or attention_mask.numel() == 0:
+    if attention_mask.numel() == 0:
         return
-    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+    ok = ((attention_mask == 0) | (attention_mask == 1)).all()
+    if on_device or tracing():  # a decode step, or traced: no host read (a RuntimeError carrying the message)
+        device_check(ok, _MASK_VALUES_MESSAGE.format(dtype=attention_mask.dtype, what="other values"))
+        return
+    if not bool(ok):
         bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
-        raise ValueError(
-            f"attention_mask: a 2-D attention_mask is a padding mask holding 1 for a real token and 0 for a pad "
-            f"(or bool); this one ({attention_mask.dtype}) holds {bad!r}. An additive mask (0 keep, -inf pad) "
-            "must be converted first: pass `(additive_mask == 0).long()`."
-        )
+        raise ValueError(_MASK_VALUES_MESSAGE.format(dtype=attention_mask.dtype, what=repr(bad)))

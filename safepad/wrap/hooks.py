@@ -46,7 +46,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .slot_calls import slot_justify, slot_restore
+from .slot_calls import counts_slots, slot_justify, slot_restore
 
 __all__ = ["install_model_hooks"]
 
@@ -72,6 +72,9 @@ def install_model_hooks(model: nn.Module) -> None:
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
             # a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
             "slot_checks": tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
+            # attention that counts cache slots (sliding windows, slot-relative positions, selected key slots):
+            # its one-token steps always go through slot justification (safepad.wrap.slot_calls)
+            "slot_sensitive": counts_slots(target, specs),
             # text models that read row 0 of [R, B, T] position_ids as their text positions, for these R
             # (Qwen3.5: 4; Qwen4-Exp: 4 and 1); None: the model reads [B, T] position_ids only
             "text_position_rows": next(
@@ -144,7 +147,7 @@ class _ModelPreHook:
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
         check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
-        check_mask_values(_two_d_mask(kwargs.get("attention_mask")))
+        check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
         args, kwargs = slot_justify(module, info, args, kwargs, B, T)
         T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut (slot_calls)

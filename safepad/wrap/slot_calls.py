@@ -21,11 +21,16 @@ from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 
-__all__ = ["SlotRecord", "slot_justify", "slot_restore"]
+__all__ = ["SlotRecord", "counts_slots", "slot_justify", "slot_restore"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
+#: marks a cache whose slots safepad re-laid (a right-padded prefill, holes): its later calls are re-laid too
+_RELAID_FLAG = "_safepad_relaid_slots"
+#: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
+#: indexer positions)
+_SLOT_KINDS = frozenset({"attn_conv", "dsa_indexer", "ple"})
 #: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
 _SHIFT_ATTR = "_safepad_position_shift"
 
@@ -49,6 +54,31 @@ def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
         return kwargs[name]
     i = params.index(name) if name in params else -1
     return args[i] if 0 <= i < len(args) else None
+
+
+def counts_slots(model: nn.Module, specs) -> bool:
+    """Does ``model``'s attention count cache slots (a sliding window, or a slot-reading mixer kind)?"""
+    if any(s.kind in _SLOT_KINDS or "slot_check" in s.options for s in specs):
+        return True
+    windows = [text_config_value(model, a, None) for a in ("sliding_window", "attention_window_size", "sliding_window_size")]
+    layer_types = text_config_value(model, "layer_types", None) or ()
+    return any(w for w in windows) or any("sliding" in str(t) for t in layer_types)
+
+
+def _decode_step(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, mask: torch.Tensor, past_len: int):
+    """A one-token step on a cache safepad never re-laid, whose attention counts no slots: no host read.
+
+    The cache rows are in stock's layout (left pads at most, no pad after a real token), so the step needs no
+    re-lay; a pad step token is masked by the mixers (``decode_mask``) and by full attention. Missing positions
+    come from the mask on the device: ``mask.sum(1) - 1`` (the row's real tokens before this one).
+    """
+    params = info["params"]
+    if not info["accepts_position_ids"] or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
+        return args, kwargs
+    named = dict(zip(params, args))
+    named.update(kwargs)
+    named["position_ids"] = (mask.long().sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1]
+    return (), named
 
 
 def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int):
@@ -78,6 +108,11 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         # generate() continuing from a cache without attention layers hands in the whole sequence (transformers
         # slices off the cached tokens only for attention caches): run the new ones only
         (args, kwargs), T = _drop_cached_prefix(info, args, kwargs, B, T, past_len), T - past_len
+    if (
+        T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1 and not info["slot_sensitive"]
+        and not getattr(cache, _RELAID_FLAG, False)
+    ):
+        return _decode_step(module, info, args, kwargs, B, mask, past_len)
     m = mask.to(torch.bool)
     if not wanted or (module.training and not explicit):
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout
@@ -238,6 +273,8 @@ def slot_restore(record: SlotRecord, output):
         setattr(cache, _SHIFT_ATTR, record.shift)
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
+    if call is not None and cache is not None and (call.order is not None or call.relay):
+        setattr(cache, _RELAID_FLAG, True)
     if call is None or call.order is None:
         return None
     B, T = record.shape
