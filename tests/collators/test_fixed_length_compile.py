@@ -28,9 +28,9 @@ from safepad.testing import tiny_model
 datasets.disable_progress_bars()
 
 ROW = 64  # row length: several sequences per row, and more than one SSD chunk (16)
-#: eager: dynamo's guards and recompiles are the backend's business only through the graphs it is handed, so
-#: the cheap backend counts the same compiles; the numerics of the compiled step are tests/test_compile.py's
-BACKEND = "aot_eager"
+#: dynamo decides on guards and recompiles before any backend sees a graph, so the cheapest backend counts the
+#: same compiles (and runs safepad's traced path); the numerics of inductor's step are tests/test_compile.py's
+BACKEND = "eager"
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +48,7 @@ def rows() -> list[dict]:
     lengths = rng.integers(1, 30, size=40)
     ds = datasets.Dataset.from_dict({"input_ids": [rng.integers(3, 250, n).tolist() for n in lengths]})
     packed = pack_dataset(ds, ROW, batch_size=8).remove_columns("seq_lengths")  # small bins: ragged rows
-    out = list(packed)[:4]
+    out = list(packed)[:3]
     assert len({len(r["input_ids"]) for r in out}) > 1  # rows of different lengths
     assert len({r["position_ids"].count(0) for r in out}) > 1  # and different numbers of sequences
     return out
