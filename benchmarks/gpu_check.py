@@ -775,6 +775,8 @@ class Part:
     what: str
     run: Callable[[str], tuple[list[Row], dict]]
     figures: tuple[str, ...] = ()
+    #: budget under --emulate (the Triton interpreter on CPU is orders of magnitude slower than a GPU)
+    emulate_budget_s: float | None = None
 
 
 def _agreement(device: str) -> tuple[list[Row], dict]:
@@ -810,6 +812,7 @@ PARTS: list[Part] = [
         "every CUDA route == safepad's torch core (fp32 / bf16), per-route rows",
         _agreement,
         ("routes", "failed"),
+        emulate_budget_s=900,
     ),
     Part(
         "mixer_vs_mamba_ssm",
@@ -969,7 +972,8 @@ def plan(mode: str, scale: float = 1.0) -> list[tuple[Part, str | None, float]]:
             skip = "needs CUDA" + (" (--emulate runs the agreement part only)" if mode == "emulate" else "")
         elif p.needs == "any" and mode == "cpu":
             skip = "no CUDA device (use --emulate to run it on CPU)"
-        out.append((p, skip, p.budget_s * scale))
+        budget = p.emulate_budget_s if mode == "emulate" and p.emulate_budget_s else p.budget_s
+        out.append((p, skip, budget * scale))
     return out
 
 
