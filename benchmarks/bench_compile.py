@@ -186,6 +186,9 @@ def epoch(args: argparse.Namespace) -> None:
         res[name] = {"epoch": time.perf_counter() - t_all, "first": times[0],
                      "median": statistics.median(times[1:]) if len(times) > 1 else float("nan"),
                      "frames": (frames[0], frames[-1]), "tokens": sum(b["input_ids"].shape[1] for b in batches)}  # fmt: skip
+        v = res[name]
+        print(f"  {name}: frames {v['frames'][0]}/{v['frames'][1]}, first step {v['first']:.1f} s, median step "
+              f"{v['median'] * 1e3:.1f} ms, epoch {v['epoch']:.1f} s", flush=True)  # fmt: skip
     lengths = [len(r["input_ids"]) for r in rows]
     print(f"compile epoch: bench_train's Nemotron-H, inductor, 1 thread, AdamW; {len(rows)} packed rows of "
           f"{min(lengths)}..{max(lengths)} real tokens (row {row}), torch {torch.__version__}")  # fmt: skip
