@@ -149,7 +149,7 @@ def epoch(args: argparse.Namespace) -> None:
     datasets.disable_progress_bars()
     row = args.row_tokens
     docs = make_docs(64 * args.epoch_rows, row // 2, args.seed, VOCAB_SIZE)
-    packed = safepad.pack_dataset(datasets.Dataset.from_dict({"input_ids": docs}), row, batch_size=64)
+    packed = safepad.pack_dataset(datasets.Dataset.from_dict({"input_ids": docs}), row, batch_size=6)  # ragged rows
     rows = list(packed.remove_columns("seq_lengths"))[: args.epoch_rows]
     base = build_model("nemotron_h", args.seed).train()
 
