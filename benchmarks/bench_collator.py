@@ -1,8 +1,12 @@
 """Collator and packing benchmark: safepad vs transformers / TRL, measured side by side in one run.
 
-Lengths: lognormal with median 300 tokens (sigma 1.0), capped at 4096. Prints the ratios LAST.
+Lengths: lognormal with median 300 tokens (sigma 1.0), capped at 4096. Part 4 is a second, long-tailed
+workload that no test uses: ``--tail-examples`` (60 000) documents of lognormal lengths with median 350
+(sigma 1.0) NOT capped, so about 0.7% of them are longer than ``max_length=4096``: safepad splits them
+(``overflow="split"``, every token kept), TRL's ``bfd`` truncates them. Both run with Dataset caching
+disabled (a cached ``map`` would time a cache hit), each on its defaults. Prints the ratios LAST.
 
-    python benchmarks/bench_collator.py [--examples 100000] [--batches 400]
+    python benchmarks/bench_collator.py [--examples 100000] [--batches 400] [--tail-examples 60000]
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=100_000)
     parser.add_argument("--batches", type=int, default=400)
+    parser.add_argument("--tail-examples", type=int, default=60_000)
     args = parser.parse_args()
     datasets.disable_progress_bars()
     torch.set_num_threads(1)
@@ -109,6 +114,9 @@ def main() -> None:
     eff = padded_efficiency(rng, lengths)
     print(f"\npadded random batches of 8 (pad to longest): token efficiency {eff * 100:.1f}%")
 
+    # 4. long-tailed lengths with overflow splitting (a workload no test uses)
+    tail = bench_long_tail(np.random.default_rng(1), args.tail_examples, trl_pack_dataset)
+
     t_trl = results["TRL bfd, batch 1000"][0]
     t_same = results["safepad bfd, batch 1000, no position_ids"][0]
     t_default = results["safepad bfd, default (batch 10000, + position_ids)"][0]
@@ -119,6 +127,45 @@ def main() -> None:
     print(f"  pack_dataset speed-up vs TRL bfd, safepad defaults:     {t_trl / t_default:6.2f}x")
     print(f"  BFD fill ratio (defaults):                              {fill_default * 100:6.2f}%  (target >= 98%)")
     print(f"  packed vs padded token efficiency:                      {fill_default / eff:6.2f}x")
+    print(f"  long tail: pack_dataset speed-up vs TRL bfd, defaults:  {tail['speedup']:6.2f}x  (target >= 1x)")
+    print(f"  long tail: tokens kept safepad / TRL:                   {tail['kept'] * 100:6.2f}% / "
+          f"{tail['trl_kept'] * 100:.2f}%")  # fmt: skip
+    print(f"  long tail: fill safepad / TRL:                          {tail['fill'] * 100:6.2f}% / "
+          f"{tail['trl_fill'] * 100:.2f}%")  # fmt: skip
+
+
+def bench_long_tail(rng: np.random.Generator, n: int, trl_pack_dataset) -> dict:
+    """60k documents, lognormal median 350, uncapped (some > max_length): safepad split vs TRL bfd (truncates)."""
+    lengths = np.maximum(1, np.round(rng.lognormal(np.log(350), 1.0, n))).astype(np.int64)
+    ds = make_dataset(rng, lengths)
+    total = int(lengths.sum())
+    caching = datasets.is_caching_enabled()
+    datasets.disable_caching()
+    try:
+        out = {}
+        t_ours = best_of(lambda: out.update(ours=pack_dataset(ds, MAX_LENGTH, return_stats=True)), 2)
+        t_trl = best_of(lambda: out.update(trl=trl_pack_dataset(ds, MAX_LENGTH, strategy="bfd")), 2)
+    finally:
+        if caching:
+            datasets.enable_caching()
+    packed, stats = out["ours"]
+    trl_tokens = int(sum(sum(s) for s in out["trl"].with_format("arrow")[:]["seq_lengths"].to_pylist()))
+    res = {
+        "speedup": t_trl / t_ours,
+        "kept": stats.tokens / total,
+        "trl_kept": trl_tokens / total,
+        "fill": stats.fill_ratio,
+        "trl_fill": trl_tokens / (len(out["trl"]) * MAX_LENGTH),
+    }
+    long = int((lengths > MAX_LENGTH).sum())
+    print(
+        f"\nlong tail: {n} documents, lognormal median 350, {total} tokens, {long} longer than {MAX_LENGTH} (best of 2):"
+    )
+    print(f"  safepad bfd, defaults (split, batch 10000, + position_ids) {t_ours:7.2f} s  rows {len(packed)}  "
+          f"fill {res['fill'] * 100:6.2f}%  tokens kept {res['kept'] * 100:6.2f}%")  # fmt: skip
+    print(f"  TRL bfd (truncates), batch 1000                           {t_trl:7.2f} s  rows {len(out['trl'])}  "
+          f"fill {res['trl_fill'] * 100:6.2f}%  tokens kept {res['trl_kept'] * 100:6.2f}%")  # fmt: skip
+    return res
 
 
 if __name__ == "__main__":

@@ -159,7 +159,8 @@ class DataCollatorForPackedSSM:
         position_ids   [1, T]   int64   0, 1, ... restarting per sequence
         seq_idx        [1, T]   int32   0 .. N-1, one id per sequence
         cu_seq_lens_q  [N + 1]  int32   == cu_seq_lens_k, cumulative lengths ending at T
-        max_length_q   int              == max_length_k, longest sequence
+                                        (pad_to_length: [max_sequences + 1], padded by repeating T)
+        max_length_q   int              == max_length_k, longest sequence (pad_to_length: T)
         <per-token>    [1, T]           concatenated like input_ids, pad tail = 0
         <per-example>  [sum_i n_i, ...] concatenated along dim 0 in packing order
 
@@ -169,6 +170,17 @@ class DataCollatorForPackedSSM:
         pad_to_multiple_of: pad ``T`` up to a multiple of this with ONE extra sequence (its own
             ``seq_idx``, positions restarting at 0, labels ``-100``, ids ``pad_token_id``) that also
             appears in ``cu_seq_lens``: static shapes without leaking state into a real sequence.
+        pad_to_length: shape-stable rows for ``torch.compile``. An int ``L``: every batch is padded to
+            exactly ``L`` tokens; a tuple of lengths (buckets, e.g. ``(1024, 2048, 4096)``): to the smallest
+            one that holds the batch. The pad tail is ONE extra sequence as with ``pad_to_multiple_of``, and
+            every tensor has a shape fixed by the bucket: ``cu_seq_lens_q/k`` are ``[max_sequences + 1]``
+            (padded by repeating ``L``: zero-length sequences, which flash-attention's varlen kernels and
+            safepad accept) and ``max_length_q/k`` are ``L`` (an upper bound, which is all flash-attention
+            needs). So a compiled model sees one input signature per bucket: one compile for an epoch. A
+            batch of more than the largest length raises. Excludes ``pad_to_multiple_of``.
+        max_sequences: with ``pad_to_length``, the number of sequences ``cu_seq_lens`` has room for
+            (default: the bucket length, which always suffices since every sequence holds a token). A
+            batch with more sequences (its pad tail included) raises.
         pad_token_id: id used for the pad tail.
         max_tokens: raise ``ValueError`` when a batch (after padding) holds more tokens.
         on_empty: ``"error"`` (default) raises on a feature with empty ``input_ids``; ``"skip"``
@@ -200,6 +212,8 @@ class DataCollatorForPackedSSM:
         self,
         *,
         pad_to_multiple_of: int | None = None,
+        pad_to_length: int | Sequence[int] | None = None,
+        max_sequences: int | None = None,
         pad_token_id: int = 0,
         max_tokens: int | None = None,
         on_empty: Literal["error", "skip"] = "error",
@@ -225,6 +239,14 @@ class DataCollatorForPackedSSM:
                 f"pad_to_multiple_of={pad_to_multiple_of} > max_tokens={max_tokens}: every padded batch would "
                 "exceed max_tokens"
             )
+        self.pad_to_length = _check_lengths(pad_to_length, pad_to_multiple_of, max_tokens)
+        if max_sequences is not None and (
+            not isinstance(max_sequences, int) or isinstance(max_sequences, bool) or max_sequences < 1
+        ):
+            raise ValueError(f"max_sequences must be a positive int or None, got {max_sequences!r}")
+        if max_sequences is not None and self.pad_to_length is None:
+            raise ValueError("max_sequences only applies with pad_to_length= (it sizes the padded cu_seq_lens)")
+        self.max_sequences = max_sequences
         if not isinstance(pad_token_id, (int, np.integer)) or isinstance(pad_token_id, bool):
             raise ValueError(f"pad_token_id must be an int, got {pad_token_id!r}")
         if on_empty not in ("error", "skip"):
@@ -244,6 +266,18 @@ class DataCollatorForPackedSSM:
         self.stats = CollatorStats()
 
     # ------------------------------------------------------------------ helpers
+    def _bucket(self, real: int) -> int:
+        """The smallest ``pad_to_length`` bucket that holds ``real`` tokens; raise when none does."""
+        for length in self.pad_to_length:
+            if real <= length:
+                return length
+        largest = self.pad_to_length[-1]
+        raise ValueError(
+            f"batch holds {real} real tokens, more than pad_to_length={largest} (the largest row length): pack "
+            f"with pack_dataset(max_length={largest}) and collate one packed row per batch "
+            "(per_device_train_batch_size=1), or raise pad_to_length"
+        )
+
     def _boundaries(self, feature: Mapping[str, Any], n: int, index: int) -> np.ndarray:
         """Sequence lengths ``[k]`` inside one feature of ``n`` tokens."""
         seq_lengths = feature.get("seq_lengths")
@@ -369,7 +403,11 @@ class DataCollatorForPackedSSM:
 
         lengths = np.concatenate(seq_lens)  # [N_real]
         real = int(lengths.sum())
-        pad = (-real) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+        bucket = self._bucket(real) if self.pad_to_length is not None else None
+        if bucket is not None:
+            pad = bucket - real
+        else:
+            pad = (-real) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
         total = real + pad
         if self.max_tokens is not None and total > self.max_tokens:
             raise ValueError(
@@ -380,9 +418,18 @@ class DataCollatorForPackedSSM:
             lengths = np.append(lengths, pad)  # [N]; the pad tail is its own sequence
         n_seq = lengths.shape[0]
 
-        cu = np.zeros(n_seq + 1, dtype=np.int32)  # [N + 1]
-        np.cumsum(lengths, out=cu[1:])
-        starts = cu[:-1].astype(np.int64)  # [N]
+        slots = n_seq
+        if bucket is not None:
+            slots = self.max_sequences or bucket
+            if n_seq > slots:
+                raise ValueError(
+                    f"batch holds {n_seq} sequences{' (its pad tail included)' if pad else ''} but "
+                    f"max_sequences={slots} sizes cu_seq_lens; raise max_sequences (or leave it None)"
+                )
+        cu = np.full(slots + 1, total, dtype=np.int32)  # [N + 1], or [max_sequences + 1] padded with T
+        cu[0] = 0
+        np.cumsum(lengths, out=cu[1 : n_seq + 1])
+        starts = cu[:n_seq].astype(np.int64)  # [N]
 
         input_ids = np.empty(total, dtype=np.int64)  # [T]
         np.concatenate(ids, out=input_ids[:real], casting="unsafe")
@@ -430,7 +477,7 @@ class DataCollatorForPackedSSM:
             for k in ("input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q", *per_token):
                 batch[k] = torch.from_numpy(batch[k])
             batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
-        max_len = int(lengths.max())
+        max_len = bucket if bucket is not None else int(lengths.max())
         batch["max_length_q"] = batch["max_length_k"] = max_len
 
         self.stats.batches += 1
@@ -478,6 +525,35 @@ class DataCollatorForPackedSSM:
                 f"per-example field {key!r} cannot be concatenated along dim 0 across features {indices}: {e}"
             ) from e
         return torch.from_numpy(out) if return_tensors == "pt" else out
+
+
+def _check_lengths(
+    pad_to_length: int | Sequence[int] | None, pad_to_multiple_of: int | None, max_tokens: int | None
+) -> tuple[int, ...] | None:
+    """``pad_to_length`` as a sorted tuple of bucket lengths (or None), with errors naming the argument."""
+    if pad_to_length is None:
+        return None
+    if pad_to_multiple_of is not None:
+        raise ValueError(
+            "pass either pad_to_length (fixed row lengths, for torch.compile) or pad_to_multiple_of, not both"
+        )
+    values = (pad_to_length,) if isinstance(pad_to_length, (int, np.integer)) else pad_to_length
+    if (
+        isinstance(values, (str, bytes, Mapping))
+        or not isinstance(values, Iterable)
+        or not (values := tuple(values))
+        or any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1 for v in values)
+    ):
+        raise ValueError(
+            f"pad_to_length must be a positive int or a non-empty sequence of them (length buckets), got "
+            f"{pad_to_length!r}"
+        )
+    buckets = tuple(sorted({int(v) for v in values}))
+    if buckets[-1] > MAX_PAD_TO_MULTIPLE_OF:
+        raise ValueError(f"pad_to_length={buckets[-1]} exceeds {MAX_PAD_TO_MULTIPLE_OF} tokens")
+    if max_tokens is not None and buckets[-1] > max_tokens:
+        raise ValueError(f"pad_to_length={buckets[-1]} > max_tokens={max_tokens}: that row would exceed max_tokens")
+    return buckets
 
 
 def _is_nothing(value: Any) -> bool:

@@ -92,6 +92,9 @@ _CONTEXT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("s
 #: code. Compiled code reads it at run time (``model.forward = torch.compile(model.forward)``: the hooks push
 #: eagerly), in the calling thread, so concurrent calls in other threads never see each other's boundaries.
 _THREAD = threading.local()
+# Created now for the importing thread: compiled code guards on whether the attribute exists, and creating it
+# in the first compiled call would make the second call recompile.
+_THREAD.stack = []
 
 
 def _traced_stack() -> list[CallContext | None]:

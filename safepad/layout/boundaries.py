@@ -124,8 +124,9 @@ def validate_cu_seqlens(cu_seqlens: Tensor, total: int | None = None, name: str 
         if total is not None:
             device_check(
                 cu_seqlens[-1] == total,
-                f"{name} does not end at the {total} tokens of the packed input: the sequence lengths must add up "
-                "to the row length",
+                # no {total} in the message: formatting a symbolic length would specialise it (dynamic=True)
+                f"{name} does not end at the number of tokens of the packed input: the sequence lengths must add "
+                "up to the row length",
             )
         return cu_seqlens.to(torch.int32)
     if int(cu_seqlens[0]) != 0:

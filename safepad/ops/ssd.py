@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from safepad._tracing import tracing
 from safepad.layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 
 from . import kernels
@@ -589,13 +590,15 @@ def _ssd_chunked(
     Q = chunk_size
     pad = (-T) % Q
     seq_full = seq_idx
-    if pad:
+    # while tracing, pad even by 0 tokens: branching on a symbolic T % Q would recompile per residue (dynamic=True)
+    if tracing() or pad:
         x = F.pad(x, (0, 0, 0, 0, 0, pad))  # [b, Tp, H, P]; padded tokens: dt = 0, x = B = 0 (identity)
         dt = F.pad(dt, (0, 0, 0, pad))  # [b, Tp, H]
         B = F.pad(B, (0, 0, 0, 0, 0, pad))  # [b, Tp, G, N]
         C = F.pad(C, (0, 0, 0, 0, 0, pad))  # [b, Tp, G, N]
-        if seq_idx is not None:
-            seq_idx = torch.cat([seq_idx, seq_idx[:, -1:].expand(b, pad)], dim=1)  # [b, Tp]
+        if seq_idx is not None:  # the pads continue the last sequence (no expand: it guards on pad == 1)
+            last = seq_idx[:, -1:]  # [b, 1]
+            seq_idx = F.pad(seq_idx - last, (0, pad)) + last  # [b, Tp]
     if want_varlen:
         return _ssd_autograd(x, dt, A, B, C, D, seq_idx, seq_full, initial_state, Q, T)
     y, final = _ssd_core(x, dt, A, B, C, D, initial_state, seq_idx, Q)

@@ -131,7 +131,9 @@ class _ModelPreHook:
         if outer is not None:
             # nested model call (PEFT -> model, VLM -> language model): the outer call decided the boundaries;
             # this level only applies the packed-call policy to its own kwargs
-            if outer.seq_idx is not None and ids is not None and tuple(ids.shape[:2]) == outer.shape:
+            # seq_idx.shape, not outer.shape: under torch.compile(dynamic=True) the latter holds the ints the
+            # outer compiled frame ran with, and comparing with them would specialise the sequence length
+            if outer.seq_idx is not None and ids is not None and tuple(ids.shape[:2]) == tuple(outer.seq_idx.shape):
                 kwargs.pop("seq_idx", None)
                 self._packed_policy(module, kwargs, outer.seq_idx, ids, outer.source, nested=True)
                 module._safepad_tokens.append(None)
