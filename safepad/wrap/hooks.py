@@ -341,5 +341,5 @@ def _post_hook(module: nn.Module, args, output):
     if slot_calls:
         record = slot_calls.pop()
         if record is not None:
-            return slot_restore(record, output)
+            return slot_restore(record, output, module)
     return None

@@ -38,7 +38,7 @@ _SHIFT_ATTR = "_safepad_position_shift"
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("call", "keep", "padded", "restore", "shape", "shift")
+    __slots__ = ("call", "keep", "labels", "loss_kwargs", "padded", "restore", "shape", "shift")
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
                  restore: bool = True):
@@ -47,6 +47,10 @@ class SlotRecord:
         # layout makes the row's last real token
         self.restore = restore
         self.shift = None  # [K, B, 1] position shift to keep with the cache (stacked positions in generate)
+        # labels of a loss call with an explicit cache on re-laid rows: the loss is taken by the post-hook, over the
+        # logits put back in the caller's order (the model itself would score the re-laid row)
+        self.labels = None
+        self.loss_kwargs: dict = {}
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -163,12 +167,17 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["position_ids"] = position_ids + shift.to(position_ids.device)
     if call.noop:
         return (), named
-    if named.get("labels") is not None:
+    if named.get("labels") is not None and explicit and callable(getattr(module, "loss_function", None)):
+        # the cache is wanted: re-lay the row for it, and score the caller's row (post-hook, slot_restore)
+        record.labels = named.pop("labels")
+        record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
+        record.restore = True
+    elif named.get("labels") is not None:
         if explicit:
             raise ValueError(
-                f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens: "
-                "safepad re-lays such rows for the cache, and the loss would be taken over the re-laid row. Compute "
-                "the loss without a cache (use_cache=False), or pad on the left."
+                f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, and "
+                "no loss_function to score the caller's row with: compute the loss without a cache "
+                "(use_cache=False), or pad on the left."
             )
         if "use_cache" in params or info["var_kwargs"]:
             named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
@@ -261,7 +270,27 @@ def _with_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: di
     return (), named
 
 
-def slot_restore(record: SlotRecord, output):
+def _with_loss(record: SlotRecord, call: SlotJustifiedCall | None, output, module: nn.Module):
+    """The output of a loss call whose labels the pre-hook took (a re-laid row with an explicit cache): logits back
+    in the caller's order, and the model's own ``loss_function`` over them and the caller's labels (plus the
+    router loss of MoE models that return one), as the stock forward computes it."""
+    if not hasattr(output, "keys"):
+        raise ValueError(
+            f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens need a "
+            "ModelOutput to put the loss in (return_dict=True), or compute the loss without a cache (use_cache=False)"
+        )
+    if call is not None and call.order is not None:
+        output = _restored(record, call, output)
+    logits = output["logits"]
+    vocab = text_config_value(module, "vocab_size", logits.shape[-1])
+    loss = module.loss_function(logits=logits, labels=record.labels, vocab_size=vocab, **record.loss_kwargs)
+    aux = output.get("aux_loss") if hasattr(output, "get") else None
+    if aux is not None and text_config_value(module, "output_router_logits", False):
+        loss = loss + text_config_value(module, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
+    return type(output)(**{"loss": loss, **{k: v for k, v in output.items() if k != "loss"}})
+
+
+def slot_restore(record: SlotRecord, output, module: nn.Module):
     """Post-hook half of :func:`_slot_justify`: outputs back in the caller's order, the cache marked padded."""
     call = record.call
     if call is not None:
@@ -275,8 +304,15 @@ def slot_restore(record: SlotRecord, output):
         setattr(cache, _PADDED_FLAG, True)
     if call is not None and cache is not None and (call.order is not None or call.relay):
         setattr(cache, _RELAID_FLAG, True)
+    if record.labels is not None:
+        return _with_loss(record, call, output, module)
     if call is None or call.order is None:
         return None
+    return _restored(record, call, output)
+
+
+def _restored(record: SlotRecord, call: SlotJustifiedCall, output):
+    """``output`` with every ``[B, T, ...]`` tensor back in the caller's order (outside ``generate()``)."""
     B, T = record.shape
 
     def fix(v, name=""):
