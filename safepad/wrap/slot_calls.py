@@ -157,7 +157,9 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     shift = kept[1] if kept is not None and kept[0] is generating else None
     if stacked and shift is None and bool((~m[:, -1]).any()):
         record.shift = (generating, _last_real_shift(position_ids, m[:, -T:]))
-    if call.noop and shift is None and not (replace_positions and (past_len > 0 or generating is not None)):
+    # (a left-padded prefill too: stock counts its pads as positions, while the steps that continue it count
+    # each row's real tokens only, so a rotary distance across the cached and new tokens would be off by the pads)
+    if call.noop and shift is None and not replace_positions:
         return args, kwargs
     named = dict(zip(params, args))  # every argument by name from here on
     named.update(kwargs)

@@ -16,6 +16,7 @@ from safepad.cache import cache_argument
 from safepad.testing.scenarios import module_states
 from safepad.testing.tiny import tiny_model
 from safepad.wrap import wrap
+from safepad.wrap.patching import is_wrapped
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +129,138 @@ def test_packed_nan_stays_in_its_sequence_in_the_recurrent_blocks(models):
         else:
             assert not torch.isfinite(out[start + 2 : start + n]).all()
         start += n
+
+
+# ---- issue 25 item 3: a short attention window, conv widths 2 and 3, lru width 48 -------------------------------
+
+_SMALL = {"attention_window_size": 8, "lru_width": 48}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(2, id="conv2"), pytest.param(3, id="conv3")])
+def small_models(request):
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        stock = tiny_model("recurrent_gemma", conv1d_width=request.param, **_SMALL)
+        yield stock, wrap(copy.deepcopy(stock), backend="torch")
+    finally:
+        log.setLevel(level)
+
+
+def _alone(stock, seq, steps) -> torch.Tensor:
+    """``[1 + len(steps), V]``: the last prompt logits and each decode step's, the row alone through stock."""
+    stock._setup_cache(stock.config, 1, torch.device("cpu"), torch.float32)
+    cache = _fresh_cache(stock)
+    out = [stock(input_ids=seq[None], use_cache=True, **_cache_kw(stock, cache)).logits[0, -1]]
+    for tok in steps:
+        out.append(stock(input_ids=tok.view(1, 1), use_cache=True, **_cache_kw(stock, cache)).logits[0, -1])
+    return torch.stack(out)
+
+
+def _padded_decode(model, ids, mask, steps, with_pos: bool) -> torch.Tensor:
+    """``[B, 1 + S, V]``: each row's last real prompt logits, then one per decode step ``steps [S, B]``."""
+    B = ids.shape[0]
+    if not is_wrapped(model):
+        model._setup_cache(model.config, B, torch.device("cpu"), torch.float32)
+    cache = _fresh_cache(model)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1) if with_pos else None
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                   **_cache_kw(model, cache)).logits
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).argmax(1)
+    out = [logits[torch.arange(B), last]]
+    lengths = mask.sum(1)
+    for k, tok in enumerate(steps):
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
+        step_pos = (lengths + k)[:, None] if with_pos else None
+        out.append(model(input_ids=tok[:, None], attention_mask=mask, position_ids=step_pos, use_cache=True,
+                         **_cache_kw(model, cache)).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize(
+    "left, with_pos",
+    [
+        pytest.param(False, True, id="right-pos"),
+        pytest.param(False, False, id="right-no-pos"),
+        pytest.param(True, False, id="left-no-pos"),  # stock counted the pads in the prefill's rotary positions
+    ],
+)
+@torch.no_grad()
+def test_padded_prefill_then_decode_equals_each_row_alone(small_models, left, with_pos):
+    """Rows longer and shorter than the attention window, padded, then three decode steps: each row's logits
+    equal the row's own prefill + decode through the stock model (the stock batch does not)."""
+    stock, wrapped = small_models
+    g = torch.Generator().manual_seed(4)
+    lengths, T = (5, 12, 9), 12
+    seqs = [torch.randint(3, 250, (n,), generator=g) for n in lengths]
+    steps = torch.randint(3, 250, (3, len(seqs)), generator=g)  # [S, B]
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(T - s.numel(), T) if left else slice(0, s.numel())
+        ids[b, sl], mask[b, sl] = s, 1
+    ref = torch.stack([_alone(stock, s, steps[:, b]) for b, s in enumerate(seqs)])
+    got = _padded_decode(wrapped, ids, mask, steps, with_pos)
+    assert (got - ref).abs().max() < 1e-4
+    if not left:
+        assert (_padded_decode(stock, ids, mask, steps, with_pos) - ref).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_holes_in_the_mask_then_decode_equal_the_row_without_them(small_models):
+    """Masked tokens inside a row (a hole) are skipped: the row equals the row with the hole cut out."""
+    stock, wrapped = small_models
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 250, (n,), generator=g) for n in (12, 7)]
+    steps = torch.randint(3, 250, (2, 2), generator=g)
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+    mask[0, 4:6] = 0  # a hole in row 0
+    kept = [torch.cat([seqs[0][:4], seqs[0][6:]]), seqs[1]]
+    ref = torch.stack([_alone(stock, s, steps[:, b]) for b, s in enumerate(kept)])
+    got = _padded_decode(wrapped, ids, mask, steps, with_pos=False)
+    assert (got - ref).abs().max() < 1e-4
+    assert (_padded_decode(stock, ids, mask, steps, with_pos=False) - ref).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_a_deep_copied_cache_decodes_apart_from_the_original(small_models):
+    """Decoding different tokens on ``copy.deepcopy(cache)`` and on the original: each continues its own
+    prefix (the wrapped blocks read their states from the cache they are handed, not from the modules; the
+    stock blocks read the modules' and so mix the two)."""
+    stock, wrapped = small_models
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, 250, (2, 6), generator=g)
+    a, b = torch.randint(3, 250, (2, 2, 1), generator=g)  # [2, 1] each: two different next tokens per row
+
+    def run(model):
+        if not is_wrapped(model):
+            model._setup_cache(model.config, 2, torch.device("cpu"), torch.float32)
+        cache = _fresh_cache(model)
+        model(input_ids=prompt, use_cache=True, **_cache_kw(model, cache))
+        twin = copy.deepcopy(cache)
+        la = model(input_ids=a, use_cache=True, **_cache_kw(model, cache)).logits[:, -1]
+        lb = model(input_ids=b, use_cache=True, **_cache_kw(model, twin)).logits[:, -1]
+        la2 = model(input_ids=b, use_cache=True, **_cache_kw(model, cache)).logits[:, -1]
+        return torch.stack([la, lb, la2], 1)  # [2, 3, V]
+
+    ref = torch.stack(
+        [torch.stack([_alone(stock, prompt[r], [a[r, 0], b[r, 0]])[1], _alone(stock, prompt[r], [b[r, 0]])[1],
+                      _alone(stock, prompt[r], [a[r, 0], b[r, 0]])[2]]) for r in range(2)]
+    )
+    assert (run(wrapped) - ref).abs().max() < 1e-4
+    assert (run(stock) - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rows", [pytest.param(2, id="2-rows"), pytest.param(1, id="1-row-broadcasts")])
+def test_a_cache_of_more_rows_than_the_call_raises(small_models, rows):
+    """A 3-row cache handed to a decode step of fewer rows raises naming both counts (it is never broadcast)."""
+    _, wrapped = small_models
+    cache = _fresh_cache(wrapped)
+    with torch.no_grad():
+        wrapped(input_ids=torch.randint(3, 250, (3, 5)), use_cache=True, **_cache_kw(wrapped, cache))
+        with pytest.raises(ValueError, match=rf"3 rows but this call has {rows} rows"):
+            wrapped(input_ids=torch.randint(3, 250, (rows, 1)), use_cache=True, **_cache_kw(wrapped, cache))
