@@ -58,7 +58,8 @@ def test_call_reorders_and_restores_the_chunk():
     y = call.reorder(x)
     assert y[0, :, 0].tolist() == [1.0, 3.0, 0.0, 2.0]  # pads (columns 1, 3) first, real tokens in order
     assert torch.equal(call.restore(y), x)
-    assert call.position_ids().tolist() == [[1, 1, 3, 4], [1, 2, 3, 4]]
+    # row 0: its two leading pad columns take the positions of the cached real tokens the re-lay moves there (1, 2)
+    assert call.position_ids().tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]
 
 
 def test_call_on_a_justified_layout_is_a_noop():
