@@ -26,8 +26,10 @@ from ..cache import (
     CACHE_NAMES,
     CachePreHook,
     SafepadGenerate,
+    SafepadPrepareInputs,
     cache_argument,
     cache_post_hook,
+    fresh_cache_is_recurrent_only,
     needs_token_count,
 )
 from ..context import (
@@ -87,8 +89,12 @@ def install_model_hooks(model: nn.Module) -> None:
             )
             cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
             target._safepad_hook_handles += [cache_pre, cache_post]
+        if fresh_cache_is_recurrent_only(getattr(target, "config", None)):
+            # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
             if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
-                target.generate = SafepadGenerate(target)
+                target.generate = SafepadGenerate(target, track=recurrent)
+            if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
+                target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
