@@ -455,6 +455,25 @@ def _length_of(inputs: dict) -> int:
     return int(x.shape[1]) if isinstance(x, Tensor) and x.dim() >= 2 else 0
 
 
+def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
+    """``generate`` with a compileable cache (``cache_implementation="static"``, compiled generation) hands the
+    model a mask it built (4-D, or a dict of them) instead of the 2-D ``mask`` ``[B, L]``: safepad's slot
+    justification, which keeps rows with padding after real tokens right, reads the 2-D mask only. Such a
+    prompt (right padding) raises instead of generating from the caller's pads (stock is wrong there too)."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or built is None or built is mask:
+        return
+    if isinstance(built, Tensor) and built.dim() == 2:
+        return
+    m = mask.to(bool)
+    if m.shape[1] > 1 and bool((~m[:, 1:] & m[:, :-1]).any()):
+        raise ValueError(
+            f"{type(model).__name__}.generate: the prompt has padding after real tokens (right padding), and with "
+            "a static / compileable cache generate() builds the attention mask itself, so safepad cannot keep the "
+            "padded rows right. Pad prompts on the left (tokenizer.padding_side = 'left'), or generate with the "
+            "default dynamic cache (no cache_implementation='static', no compile_config)."
+        )
+
+
 class SafepadPrepareInputs:
     """``model.prepare_inputs_for_generation`` of a wrapped model whose fresh cache has no attention layer.
 
@@ -479,7 +498,10 @@ class SafepadPrepareInputs:
             counts is not None and cache is not None and not isinstance(cache, _TracksSeqLength) and recurrent_only(cache)
         )
         if not untracked:
-            return type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
+            inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
+            if kwargs.get("is_first_iteration"):
+                _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
+            return inputs
         entry = counts.setdefault(id(cache), [cache, _tokens_read(cache)])
         read, drop = entry[1], 0
         seq = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
@@ -499,6 +521,8 @@ class SafepadPrepareInputs:
                 drop = read
                 kwargs["next_sequence_length"] = int(seq.shape[1]) - read
         inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
+        if kwargs.get("is_first_iteration"):
+            _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
         if drop:
             m = inputs.get("attention_mask")
             if isinstance(m, Tensor) and m.dim() == 2 and m.shape[1] == seq.shape[1]:

@@ -45,7 +45,7 @@ from ..layout.masks import check_mask_values, is_right_padded
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .slot_calls import slot_justify, slot_restore
+from .slot_calls import check_traced_cache, slot_justify, slot_restore
 
 __all__ = ["install_model_hooks"]
 
@@ -93,8 +93,9 @@ def install_model_hooks(model: nn.Module) -> None:
             # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
             if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
                 target.generate = SafepadGenerate(target, track=recurrent)
-            if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
-                target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
+        if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
+            # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
+            target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
@@ -199,6 +200,7 @@ class _ModelPreHook:
         params = info["params"]
         if not any(isinstance(kwargs.get(k), torch.Tensor) for k in BOUNDARY_INPUTS):
             check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
+        check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced
         mask = kwargs.get("attention_mask")
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         position_ids = kwargs.get("position_ids")

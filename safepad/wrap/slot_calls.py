@@ -21,11 +21,13 @@ from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 
-__all__ = ["SlotRecord", "slot_justify", "slot_restore"]
+__all__ = ["SlotRecord", "check_traced_cache", "slot_justify", "slot_restore"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
+#: marks a cache whose rows an eager call re-laid (pads moved): only slot-justified (eager) calls may read it
+_RELAID_FLAG = "_safepad_relaid_slots"
 #: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
 _SHIFT_ATTR = "_safepad_position_shift"
 
@@ -161,6 +163,24 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     return (), named
 
 
+def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
+    """While dynamo traces a cached call: refuse a cache whose rows an eager call re-laid.
+
+    The traced model hook does no slot justification (the re-lay is decided from mask values on the host), so
+    its mask and positions would address the caller's layout while the cache holds the justified one, silently
+    wrong. A re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
+    """
+    cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
+    if cache is not None and getattr(cache, _RELAID_FLAG, False):
+        raise ValueError(
+            f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
+            "padding after real tokens, e.g. right padding), and a compiled call cannot keep that layout, so its "
+            "result would be wrong. Pad prompts on the left (tokenizer.padding_side = 'left') to generate under "
+            "torch.compile, or run the cached calls of right-padded rows without compiling "
+            "(no compile_config / torch.compiler.set_stance('force_eager'))."
+        )
+
+
 def _past_length(cache) -> int:
     """Tokens the cache holds; 0 for a recurrent-only cache safepad has not counted yet (``CachePreHook``, which
     runs after this hook, starts counting it or raises when it cannot)."""
@@ -238,6 +258,8 @@ def slot_restore(record: SlotRecord, output):
         setattr(cache, _SHIFT_ATTR, record.shift)
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
+    if call is not None and call.order is not None and cache is not None and not recurrent_only(cache):
+        setattr(cache, _RELAID_FLAG, True)  # a Python fact that a traced call reads (check_traced_cache)
     if call is None or call.order is None:
         return None
     B, T = record.shape
