@@ -64,7 +64,11 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
     mask = _arg(args, kwargs, params, "attention_mask")
     past_len = _past_length(cache)
-    flagged = bool(getattr(cache, _PADDED_FLAG, False))
+    if past_len == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > T and _uncounted(cache):
+        # a recurrent-only cache nobody counts (Mamba, Mamba2, FalconMamba keep the stock cache class): its states
+        # do not depend on where the cached tokens sat, so the full-length mask is read on its last T columns
+        mask = mask[:, -T:]
+        (args, kwargs) = (), {**dict(zip(params, args)), **kwargs, "attention_mask": mask}
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
         if flagged and past_len > 0 and mask is None:
             raise ValueError(
@@ -179,6 +183,17 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
             "torch.compile, or run the cached calls of right-padded rows without compiling "
             "(no compile_config / torch.compiler.set_stance('force_eager'))."
         )
+
+
+def _uncounted(cache) -> bool:
+    """A recurrent-only cache that holds states but cannot tell how many tokens it has read."""
+    if cache is None or not recurrent_only(cache):
+        return False
+    try:
+        cache.get_seq_length()
+    except ValueError:
+        return any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers)
+    return False
 
 
 def _past_length(cache) -> int:
