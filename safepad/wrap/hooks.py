@@ -71,6 +71,8 @@ def install_model_hooks(model: nn.Module) -> None:
             "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
             # a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
             "slot_checks": tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
+            # a spec whose attention reads slot distances: calls without a cache on rows with holes are re-laid too
+            "slot_distances": any(s.options.get("slot_distances", False) for s in specs),
             # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
             "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
         }

@@ -69,6 +69,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         # do not depend on where the cached tokens sat, so the full-length mask is read on its last T columns
         mask = mask[:, -T:]
         (args, kwargs) = (), {**dict(zip(params, args)), **kwargs, "attention_mask": mask}
+    flagged = bool(getattr(cache, _PADDED_FLAG, False))
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
         if flagged and past_len > 0 and mask is None:
             raise ValueError(
@@ -86,10 +87,14 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         (args, kwargs), T = _drop_cached_prefix(info, args, kwargs, B, T, past_len), T - past_len
     m = mask.to(torch.bool)
     if not wanted or (module.training and not explicit):
-        # no cache, or only the config default's in a training step (nobody reads it): the caller's layout
+        # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
+        # the attention reads slot distances (a spec's ``slot_distances``) and a row has a pad between real tokens
+        # (an inference call without labels: re-laid like a first cached call, outputs put back in order)
         for check in info["slot_checks"]:
             check(module, m[:, -T:])
-        return args, kwargs
+        holes = info.get("slot_distances") and past_len == 0 and mask.shape[1] == T and T > 1 and _has_holes(m)
+        if not (holes and not module.training and _arg(args, kwargs, params, "labels") is None):
+            return args, kwargs
     if mask.shape[1] != past_len + T:
         if flagged or not bool(m.all()):
             raise ValueError(
@@ -183,6 +188,13 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
             "torch.compile, or run the cached calls of right-padded rows without compiling "
             "(no compile_config / torch.compiler.set_stance('force_eager'))."
         )
+
+
+def _has_holes(m: torch.Tensor) -> bool:
+    """``m`` ``[B, T]`` bool: some row has a pad between two real tokens."""
+    after_real = m.cumsum(1) > 0  # [B, T]
+    before_real = m.flip(1).cumsum(1).flip(1) > 0
+    return bool((~m & after_real & before_real).any())
 
 
 def _uncounted(cache) -> bool:
