@@ -490,6 +490,12 @@ class SafepadPrepareInputs:
     def __init__(self, model: Any):
         self.model = model
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # generate() reads the method's parameters (e.g. whether it takes inputs_embeds): the class's, bound
+        sig = inspect.signature(type(self.model).prepare_inputs_for_generation)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
     def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         counts = _GEN_COUNTS.get()
