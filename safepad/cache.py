@@ -22,6 +22,7 @@ import contextvars
 import inspect
 import logging
 import sys
+import weakref
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "CachePreHook",
     "CachedStates",
     "SafepadGenerate",
+    "SafepadPrepareInputs",
     "cache_post_hook",
     "cache_argument",
     "cache_from_kwargs",
@@ -416,6 +418,126 @@ def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
     return None
 
 
+#: a recurrent-only cache that a wrapped ``generate`` ran (and that nobody counts, :func:`needs_token_count`
+#: False) -> ``(tokens it has read, fingerprint of its states then)``; beside the cache, never on it, so the
+#: cache keeps its class and a compiled forward sees no Python int
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: inside a wrapped ``generate``: ``id(cache) -> [cache, tokens read so far | None (unknown)]``
+_GEN_COUNTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("safepad_generate_counts", default=None)
+
+
+def _state_fingerprint(cache: Any) -> tuple:
+    """``(id, version)`` of every state tensor of ``cache``: it changes whenever a forward writes a state."""
+    out = []
+    for layer in getattr(cache, "layers", ()):
+        for attr in ("conv_states", "recurrent_states"):
+            states = getattr(layer, attr, None)
+            values = states.values() if isinstance(states, dict) else (states or ())
+            out.extend((id(t), t._version) for t in values if isinstance(t, Tensor))
+    return tuple(out)
+
+
+def _tokens_read(cache: Any) -> int | None:
+    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state, the count a wrapped
+    ``generate`` left when its states are unchanged since, ``None`` (unknown) otherwise."""
+    if not _holds_states(cache):
+        return 0
+    known = _READ.get(cache)
+    if known is not None and known[1] == _state_fingerprint(cache):
+        return known[0]
+    return None
+
+
+def _length_of(inputs: dict) -> int:
+    x = inputs.get("input_ids")
+    if not isinstance(x, Tensor):
+        x = inputs.get("inputs_embeds")
+    return int(x.shape[1]) if isinstance(x, Tensor) and x.dim() >= 2 else 0
+
+
+def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
+    """``generate`` with a compileable cache (``cache_implementation="static"``, compiled generation) hands the
+    model a mask it built (4-D, or a dict of them) instead of the 2-D ``mask`` ``[B, L]``: safepad's slot
+    justification, which keeps rows with padding after real tokens right, reads the 2-D mask only. Such a
+    prompt (right padding) raises instead of generating from the caller's pads (stock is wrong there too)."""
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or built is None or built is mask:
+        return
+    if isinstance(built, Tensor) and built.dim() == 2:
+        return
+    m = mask.to(bool)
+    if m.shape[1] > 1 and bool((~m[:, 1:] & m[:, :-1]).any()):
+        raise ValueError(
+            f"{type(model).__name__}.generate: the prompt has padding after real tokens (right padding), and with "
+            "a static / compileable cache generate() builds the attention mask itself, so safepad cannot keep the "
+            "padded rows right. Pad prompts on the left (tokenizer.padding_side = 'left'), or generate with the "
+            "default dynamic cache (no cache_implementation='static', no compile_config)."
+        )
+
+
+class SafepadPrepareInputs:
+    """``model.prepare_inputs_for_generation`` of a wrapped model whose fresh cache has no attention layer.
+
+    transformers slices the tokens a cache has already read off the sequence ``generate`` is handed only for
+    caches with an attention layer (``get_seq_length``); continuing from a returned recurrent-only cache, it
+    feeds the whole sequence again, and safepad's mixers (which continue from the cache) would read the prompt
+    twice. Inside a wrapped ``generate`` (:class:`SafepadGenerate`) this counts the tokens each forward feeds
+    through the cache and, on the first forward of a ``generate`` that continues from a cache that an earlier
+    wrapped ``generate`` left (its states unchanged since), feeds only the unseen suffix ``[B, L - n]`` and the
+    mask's matching columns. A cache holding states of unknown history raises ``ValueError`` when the call
+    would be ambiguous (``input_ids`` as long as the mask). Outside ``generate`` it is the class's own method.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # generate() reads the method's parameters (e.g. whether it takes inputs_embeds): the class's, bound
+        sig = inspect.signature(type(self.model).prepare_inputs_for_generation)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    def __call__(self, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        counts = _GEN_COUNTS.get()
+        _, cache = cache_from_kwargs(kwargs)
+        untracked = (
+            counts is not None and cache is not None and not isinstance(cache, _TracksSeqLength) and recurrent_only(cache)
+        )
+        if not untracked:
+            inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
+            if kwargs.get("is_first_iteration"):
+                _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
+            return inputs
+        entry = counts.setdefault(id(cache), [cache, _tokens_read(cache)])
+        read, drop = entry[1], 0
+        seq = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
+        seq = seq if isinstance(seq, Tensor) else input_ids
+        mask = kwargs.get("attention_mask")
+        full = isinstance(seq, Tensor) and (mask is None or (isinstance(mask, Tensor) and mask.shape[-1] == seq.shape[1]))
+        if kwargs.get("is_first_iteration") and kwargs.get("next_sequence_length") is None and full and _holds_states(cache):
+            if read is None:
+                raise ValueError(
+                    f"{type(model).__name__}.generate: the cache holds recurrent states that no wrapped generate() "
+                    "left as they are (a plain forward, an unwrapped model or a later call wrote them), so safepad "
+                    "cannot tell which of the input tokens it has already read, and reading them again would be "
+                    "wrong. Pass the cache the wrapped model's last generate(return_dict_in_generate=True) returned, "
+                    "together with its full sequences; or call the model's forward with only the new tokens."
+                )
+            if seq.shape[1] > read:
+                drop = read
+                kwargs["next_sequence_length"] = int(seq.shape[1]) - read
+        inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
+        if kwargs.get("is_first_iteration"):
+            _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
+        if drop:
+            m = inputs.get("attention_mask")
+            if isinstance(m, Tensor) and m.dim() == 2 and m.shape[1] == seq.shape[1]:
+                inputs["attention_mask"] = m[:, drop:]  # a recurrent-only model reads the mask of its inputs only
+        if entry[1] is not None:
+            entry[1] += _length_of(inputs)
+        return inputs
+
+
 class SafepadGenerate:
     """``model.generate`` of a wrapped model whose cache has no attention layer.
 
@@ -425,18 +547,36 @@ class SafepadGenerate:
     a cache the caller passed is made to track its length. Everything else is the class's own ``generate``.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, track: bool = True):
         self.model = model
+        self.track = track  # False: the model never asks the cache its length (Mamba, Mamba2, FalconMamba)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         name = cache_argument(model.forward)
         _, given = cache_from_kwargs(kwargs)
-        if given is not None:
+        if not self.track:
+            pass
+        elif given is not None:
             track_seq_length(given)
         elif name is not None and self._generate_builds_cache(model, kwargs):
             kwargs[name] = new_tracked_cache(model.config, owned=True)
-        return type(model).generate(model, *args, **kwargs)
+        counts: dict = {}
+        token = _GEN_COUNTS.set(counts)
+        try:
+            out = type(model).generate(model, *args, **kwargs)
+        except BaseException:
+            for cache, _ in counts.values():  # states written part of the way: unknown from here on
+                _READ.pop(cache, None)
+            raise
+        finally:
+            _GEN_COUNTS.reset(token)
+        for cache, read in counts.values():  # SafepadPrepareInputs counted the tokens each forward fed
+            if read is None:
+                _READ.pop(cache, None)
+            else:
+                _READ[cache] = (read, _state_fingerprint(cache))
+        return out
 
     @staticmethod
     def _generate_builds_cache(model: Any, kwargs: dict) -> bool:

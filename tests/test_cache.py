@@ -165,3 +165,49 @@ def test_a_tracked_cache_unpickles_in_a_fresh_process(tmp_path):
     code = f"import pickle; c = pickle.loads(open({str(path)!r}, 'rb').read()); print(type(c).__name__, c.get_seq_length())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["SafepadLengthDynamicCache", "7"]
+
+
+def _rows_generate(model, ids, cache=None, n=1):
+    kw = {cache_argument(model): cache} if cache is not None else {}
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in ("mamba", "mamba2", "falcon_mamba")])
+@torch.no_grad()
+def test_generate_feeds_a_returned_recurrent_cache_only_its_unseen_tokens(family):
+    """generate() hands an all-linear cache the whole sequence again; the wrapped one feeds the unseen suffix
+    (reference: the joined sequence's greedy continuation by full forwards of the stock model, no cache)."""
+    ok, why = family_available(family)
+    if not ok:
+        pytest.skip(why)
+    stock = tiny_model(family)
+    wrapped = safepad.wrap(copy.deepcopy(stock))
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(3))
+    first = _rows_generate(wrapped, ids, n=2)
+    second = _rows_generate(wrapped, first.sequences, output_cache(first), n=3)
+    seq = first.sequences
+    for _ in range(3):
+        seq = torch.cat([seq, stock(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(second.sequences, seq)
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in ("mamba", "mamba2")])
+@torch.no_grad()
+def test_generate_refuses_a_recurrent_cache_of_unknown_history(family):
+    """A cache whose states a plain forward wrote (or advanced after generate) cannot say which of the tokens it
+    has read: generate raises naming the fix instead of reading the prompt twice (stock reads it silently)."""
+    ok, why = family_available(family)
+    if not ok:
+        pytest.skip(why)
+    wrapped = safepad.wrap(tiny_model(family))
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(4))
+    name = cache_argument(wrapped)
+    from_forward = output_cache(wrapped(input_ids=ids, use_cache=True))
+    with pytest.raises(ValueError, match="cannot tell which of the input tokens it has already read"):
+        _rows_generate(wrapped, ids, from_forward)
+    first = _rows_generate(wrapped, ids)
+    cache = output_cache(first)
+    wrapped(input_ids=first.sequences[:, -1:], use_cache=True, **{name: cache})  # advanced outside generate
+    with pytest.raises(ValueError, match="return_dict_in_generate=True"):
+        _rows_generate(wrapped, first.sequences, cache)

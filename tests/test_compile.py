@@ -215,14 +215,15 @@ def test_compiled_cached_inference_equals_sequences_alone(kind: str):
 
 
 def _cached_calls(model, family: str) -> tuple[dict, dict]:
-    """A right-padded prefill with a cache and the one-token step after it (kwargs of each call)."""
+    """A padded prefill with a cache and the one-token step after it (kwargs of each call). Left-padded: a compiled
+    call on a cache an eager right-padded call re-laid raises (tests/wrap/test_compiled_slot_layout.py)."""
     import inspect
 
     from safepad.cache import cache_argument, output_cache
 
     ids = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 9, dtype=torch.long)
-    mask[1, 6:] = 0
+    mask[1, :3] = 0
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
     step = {"input_ids": ids[:, :1], "use_cache": True, cache_argument(model): output_cache(out)}

@@ -56,16 +56,21 @@ def dsa_indexer_forward(
     mask = _token_mask(attention_mask, B, T, hidden_states.device)  # [B, T]
     seq_idx = resolve_seq_idx(self, (B, T), kwargs)  # [B, T] packed rows (never with a cache), or None
     packed = torch.cat([k, gate, mask.to(k.dtype)[..., None]], dim=-1)  # [B, T, 2D + 1]
+    slots = None  # [T] the cache slots of this call's queries
     if cache is not None:
         layer = cache.layers[self.layer_idx]
-        if type(layer).__name__ != "DynamicIndexedLayer" and not any(
-            c.__name__ == "DynamicIndexedLayer" for c in type(layer).__mro__
-        ):
+        names = {c.__name__ for c in type(layer).__mro__}
+        if not names & {"DynamicIndexedLayer", "StaticIndexedLayer"}:
             raise ValueError(
-                f"{type(self).__name__} (layer {self.layer_idx}): safepad's indexer needs a DynamicCache (its "
-                f"indexer state grows with the tokens), got a {type(layer).__name__} cache layer"
+                f"{type(self).__name__} (layer {self.layer_idx}): safepad's indexer keeps its state in an indexed "
+                f"cache layer (DynamicIndexedLayer / StaticIndexedLayer), got a {type(layer).__name__}: build the "
+                "cache with DynamicCache(config=model.config) or cache_implementation='static'"
             )
-        packed = cache.update_indexer(packed, self.layer_idx)  # [B, N, 2D + 1]
+        packed = cache.update_indexer(packed, self.layer_idx)  # [B, N, 2D + 1] (N: max_cache_len when static)
+        filled = getattr(layer, "indexer_cumulative_length", None)
+        if "StaticIndexedLayer" in names and isinstance(filled, torch.Tensor):
+            # the whole preallocated buffer comes back; unfilled slots hold zeros (valid = 0: never selected)
+            slots = torch.arange(T, device=hidden_states.device) + (filled.to(hidden_states.device) - T)
     N = packed.shape[1]
     keys, gate_all, valid = packed.split([D, D, 1], dim=-1)
     weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
@@ -78,7 +83,7 @@ def dsa_indexer_forward(
         valid[..., 0] > 0.5,
         q,
         weights,
-        torch.arange(N - T, N, device=hidden_states.device),
+        torch.arange(N - T, N, device=hidden_states.device) if slots is None else slots,
         mask,
         self.index_kpool_compress_ape,
         kpool=self.index_kpool,

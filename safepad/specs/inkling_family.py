@@ -47,6 +47,9 @@ def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, sl
     # tokens contiguous at the end of the cache (safepad.layout.slots). Inkling's log scaling reads query slots
     # too (Inkling2's reads position_ids): refuse the layouts it cannot serve
     slot_check = {"slot_check": check_slot_log_scaling} if slot_log_scaling else {}
+    # Inkling2's relative position bias reads slot distances (get_relative_distance), not position_ids: a call
+    # without a cache on rows with holes (a pad between real tokens) is re-laid too (safepad.wrap.slot_calls)
+    uncached = {} if slot_log_scaling else {"slot_distances": True}
     return MixerSpec(
         model_type=model_type,
         kind="attn_conv",
@@ -58,6 +61,7 @@ def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, sl
                 # the dynamic class has no conv1d child: no accelerate hook forcing
                 "accelerate_children": (),
                 **slot_check,
+                **uncached,
             }
         ),
         hybrid=True,

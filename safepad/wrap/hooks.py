@@ -26,9 +26,11 @@ from ..cache import (
     CACHE_NAMES,
     CachePreHook,
     SafepadGenerate,
+    SafepadPrepareInputs,
     cache_argument,
     cache_from_kwargs,
     cache_post_hook,
+    fresh_cache_is_recurrent_only,
     needs_token_count,
 )
 from ..context import (
@@ -46,7 +48,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .slot_calls import counts_slots, slot_justify, slot_restore
+from .slot_calls import check_traced_cache, counts_slots, slot_justify, slot_restore
 
 __all__ = ["install_model_hooks"]
 
@@ -80,6 +82,8 @@ def install_model_hooks(model: nn.Module) -> None:
             "text_position_rows": next(
                 (s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None
             ),
+            # a spec whose attention reads slot distances: calls without a cache on rows with holes are re-laid too
+            "slot_distances": any(s.options.get("slot_distances", False) for s in specs),
             # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
             "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
         }
@@ -98,8 +102,13 @@ def install_model_hooks(model: nn.Module) -> None:
             )
             cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
             target._safepad_hook_handles += [cache_pre, cache_post]
+        if fresh_cache_is_recurrent_only(getattr(target, "config", None)):
+            # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
             if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
-                target.generate = SafepadGenerate(target)
+                target.generate = SafepadGenerate(target, track=recurrent)
+        if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
+            # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
+            target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
@@ -208,6 +217,7 @@ class _ModelPreHook:
         params = info["params"]
         if not any(isinstance(kwargs.get(k), torch.Tensor) for k in BOUNDARY_INPUTS):
             check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
+        check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced
         mask = kwargs.get("attention_mask")
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         position_ids = kwargs.get("position_ids")

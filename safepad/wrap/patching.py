@@ -16,7 +16,7 @@ import sys
 from torch import nn
 
 from .. import specs as _specs  # noqa: F401 - registers the family specs
-from ..cache import SafepadGenerate
+from ..cache import SafepadGenerate, SafepadPrepareInputs
 from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
 from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
@@ -197,4 +197,6 @@ def unwrap(model: nn.Module) -> nn.Module:
         module.__dict__.pop("_safepad_cache_calls", None)
         if isinstance(module.__dict__.get("generate"), SafepadGenerate):
             del module.__dict__["generate"]
+        if isinstance(module.__dict__.get("prepare_inputs_for_generation"), SafepadPrepareInputs):
+            del module.__dict__["prepare_inputs_for_generation"]
     return model

@@ -21,12 +21,13 @@ from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 
-__all__ = ["SlotRecord", "counts_slots", "slot_justify", "slot_restore"]
+__all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
-#: marks a cache whose slots safepad re-laid (a right-padded prefill, holes): its later calls are re-laid too
+#: marks a cache whose rows an eager call re-laid (pads moved): its later calls are re-laid too, and only
+#: slot-justified (eager) calls may read it (a traced call refuses it: check_traced_cache)
 _RELAID_FLAG = "_safepad_relaid_slots"
 #: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
 #: indexer positions)
@@ -96,6 +97,11 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
     mask = _arg(args, kwargs, params, "attention_mask")
     past_len = _past_length(cache)
+    if past_len == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > T and _uncounted(cache):
+        # a recurrent-only cache nobody counts (Mamba, Mamba2, FalconMamba keep the stock cache class): its states
+        # do not depend on where the cached tokens sat, so the full-length mask is read on its last T columns
+        mask = mask[:, -T:]
+        (args, kwargs) = (), {**dict(zip(params, args)), **kwargs, "attention_mask": mask}
     flagged = bool(getattr(cache, _PADDED_FLAG, False))
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
         if flagged and past_len > 0 and mask is None:
@@ -119,10 +125,14 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         return _decode_step(module, info, args, kwargs, B, mask, past_len)
     m = mask.to(torch.bool)
     if not wanted or (module.training and not explicit):
-        # no cache, or only the config default's in a training step (nobody reads it): the caller's layout
+        # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
+        # the attention reads slot distances (a spec's ``slot_distances``) and a row has a pad between real tokens
+        # (an inference call without labels: re-laid like a first cached call, outputs put back in order)
         for check in info["slot_checks"]:
             check(module, m[:, -T:])
-        return args, kwargs
+        holes = info.get("slot_distances") and past_len == 0 and mask.shape[1] == T and T > 1 and _has_holes(m)
+        if not (holes and not module.training and _arg(args, kwargs, params, "labels") is None):
+            return args, kwargs
     if mask.shape[1] != past_len + T:
         if flagged or not bool(m.all()):
             raise ValueError(
@@ -205,6 +215,42 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     call.install(cache)
     record.call = call
     return (), named
+
+
+def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
+    """While dynamo traces a cached call: refuse a cache whose rows an eager call re-laid.
+
+    The traced model hook does no slot justification (the re-lay is decided from mask values on the host), so
+    its mask and positions would address the caller's layout while the cache holds the justified one, silently
+    wrong. A re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
+    """
+    cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
+    if cache is not None and getattr(cache, _RELAID_FLAG, False):
+        raise ValueError(
+            f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
+            "padding after real tokens, e.g. right padding), and a compiled call cannot keep that layout, so its "
+            "result would be wrong. Pad prompts on the left (tokenizer.padding_side = 'left') to generate under "
+            "torch.compile, or run the cached calls of right-padded rows without compiling "
+            "(no compile_config / torch.compiler.set_stance('force_eager'))."
+        )
+
+
+def _has_holes(m: torch.Tensor) -> bool:
+    """``m`` ``[B, T]`` bool: some row has a pad between two real tokens."""
+    after_real = m.cumsum(1) > 0  # [B, T]
+    before_real = m.flip(1).cumsum(1).flip(1) > 0
+    return bool((~m & after_real & before_real).any())
+
+
+def _uncounted(cache) -> bool:
+    """A recurrent-only cache that holds states but cannot tell how many tokens it has read."""
+    if cache is None or not recurrent_only(cache):
+        return False
+    try:
+        cache.get_seq_length()
+    except ValueError:
+        return any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers)
+    return False
 
 
 def _past_length(cache) -> int:
@@ -304,8 +350,8 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         setattr(cache, _SHIFT_ATTR, record.shift)
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
-    if call is not None and cache is not None and (call.order is not None or call.relay):
-        setattr(cache, _RELAID_FLAG, True)
+    if call is not None and (call.order is not None or call.relay) and cache is not None and not recurrent_only(cache):
+        setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:
         return _with_loss(record, call, output, module)
     if call is None or call.order is None:
