@@ -35,7 +35,7 @@ def check_contents(wheel: Path) -> None:
     present = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
     missing = sorted(expected - present)
     assert not missing, f"packages of the repository missing from the wheel (add them to pyproject.toml): {missing}"
-    for folder, package in (("safepad.collators", "safepad/collators"), ("safepad.trainer_ext", "safepad/trainer_ext")):
+    for folder, package in (("collators", "safepad/collators"), ("trainer_ext", "safepad/trainer_ext")):
         for py in (REPO / folder).glob("*.py"):
             assert f"{package}/{py.name}" in names, f"{folder}/{py.name} is not in the wheel as {package}/{py.name}"
 
@@ -44,8 +44,10 @@ def check_import() -> None:
     import safepad
 
     where = Path(safepad.__file__).resolve()
-    assert REPO not in where.parents, f"safepad was imported from the checkout ({where}), not from the wheel"
-    for name in ("safepad.collators", "safepad.trainer_ext"):
+    assert "site-packages" in where.parts and where.parent != REPO / "safepad", (
+        f"safepad was imported from the checkout ({where}), not from the installed wheel"
+    )
+    for name in ("collators", "trainer_ext"):
         assert importlib.util.find_spec(name) is None, f"the wheel installs a top-level {name!r} package"
     for name in ("wrap", "unwrap", "guard", "DataCollatorForPackedSSM", "pack_dataset", "PaddingGuardCallback",
                  "PaddingError", "supported_model_types"):
