@@ -302,7 +302,7 @@ BAD = [
     pytest.param({"initial_state": torch.zeros(2, D_, 2)}, "initial_state", id="init-too-short"),
     pytest.param({"initial_state": torch.zeros(2, D_ + 1, 3)}, "initial_state", id="init-dim"),
     pytest.param({"token_mask": torch.ones(2, 5, dtype=torch.bool)}, "token_mask", id="mask-shape"),
-    pytest.param({"activation": "relu"}, "activation", id="activation"),
+    pytest.param({"activation": "not_an_activation"}, "activation", id="activation"),
     pytest.param({"return_final_state": True, "state_len": 0}, "state_len", id="state_len"),
     pytest.param({"backend": "triton"}, "backend", id="backend"),
 ]
