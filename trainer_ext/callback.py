@@ -20,6 +20,7 @@ from safepad.errors import PaddingError, PaddingWarning
 from safepad.guard import GUARD_MODES, GuardHandle, get_guard, guard
 
 from .dispatch import adapt_dispatcher
+from .logs import add_to_logs
 
 logger = logging.getLogger(__name__)
 
@@ -206,16 +207,7 @@ class PaddingGuardCallback(TrainerCallback):
             return
         if is_eval:
             stats = {f"eval_{k}": v for k, v in stats.items()}
-        history = getattr(state, "log_history", None)
-        last = history[-1] if history else None
-        same_entry = (
-            isinstance(last, dict)
-            and last.get("step") == state.global_step
-            and all(k in last and last[k] == v for k, v in logs.items())
-        )
-        logs.update(stats)
-        if same_entry:
-            last.update(stats)
+        add_to_logs(state, logs, stats)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.handle is not None and self._owns_handle:

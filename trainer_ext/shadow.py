@@ -35,6 +35,7 @@ from safepad.errors import PaddingError, PaddingWarning
 
 from .callback import _calling_trainer
 from .segments import Segment, feature_starts, segments, sequence_starts
+from .logs import add_to_logs
 
 logger = logging.getLogger(__name__)
 
@@ -478,13 +479,4 @@ class ShadowCheckCallback(TrainerCallback):
         if logs is None or not self._pending or any(str(k).startswith("eval_") for k in logs):
             return
         stats, self._pending = self._pending, {}
-        history = getattr(state, "log_history", None)
-        last = history[-1] if history else None
-        same_entry = (
-            isinstance(last, dict)
-            and last.get("step") == state.global_step
-            and all(k in last and last[k] == v for k, v in logs.items())
-        )
-        logs.update(stats)
-        if same_entry:
-            last.update(stats)
+        add_to_logs(state, logs, stats)
