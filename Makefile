@@ -29,7 +29,7 @@ BIN_OLDEST  := $(VENV_OLDEST)/bin
 TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel
 # the subset the floor and newest-torch tiers run: ops, wrap, collators, the Trainer callback, compile
 SUBSET_TESTS ?= tests/ops tests/wrap/test_mamba2_family.py tests/wrap/test_mamba1_family.py \
-	tests/wrap/test_gdn_family.py tests/wrap/test_right_padded_generate.py tests/collators/test_collator.py \
+	tests/wrap/test_gdn_family.py tests/collators/test_collator.py \
 	tests/collators/test_packing.py tests/collators/test_trainer.py tests/trainer_ext/test_padding_guard_callback.py \
 	tests/test_compile.py tests/test_compat.py
 
