@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from safepad.testing.tiny import family_available
 
 def packed_batch(lens: list[int], seed: int = 0, vocab: int = 250):
     """Sequences of the given lengths, their concatenation [1, T] and the three boundary encodings."""
@@ -13,3 +16,9 @@ def packed_batch(lens: list[int], seed: int = 0, vocab: int = 250):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # [N + 1]
     pos = torch.cat([torch.arange(L) for L in lens])[None]  # [1, T]
     return seqs, ids, seq_idx, cu, pos
+
+
+def family_param(family: str):
+    """``pytest.param(family)``, skipped (with the reason) where the installed transformers lacks the family."""
+    ok, why = family_available(family)
+    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))

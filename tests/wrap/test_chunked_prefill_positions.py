@@ -20,7 +20,8 @@ import torch
 
 import safepad
 from safepad.cache import cache_argument, output_cache
-from safepad.testing.tiny import family_available, tiny_model
+from safepad.testing.tiny import tiny_model
+from .helpers import family_param
 
 TOL = 1e-4
 
@@ -39,9 +40,7 @@ CASES = {
 }
 
 
-def _param(family: str):
-    ok, why = family_available(family)
-    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+_param = family_param
 
 
 @pytest.fixture(scope="module", autouse=True)

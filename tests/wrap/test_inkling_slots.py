@@ -19,15 +19,14 @@ import torch
 from safepad.cache import cache_argument
 from safepad.testing.tiny import family_available, tiny_model
 from safepad.wrap import wrap
+from .helpers import family_param
 
 FAMILIES = ("inkling_text", "inkling2_text", "inkling2_loop_text")
 TOL = 1e-4
 WINDOW = 6
 
 
-def _param(family: str):
-    ok, why = family_available(family)
-    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+_param = family_param
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from safepad.testing.scenarios import SCENARIOS, cache_states, packed_loss_grad_errors, run_scenario
-from safepad.testing.tiny import NEW_FAMILIES, family_available, tiny_model
+from safepad.testing.tiny import NEW_FAMILIES, tiny_model
 from safepad.wrap import unwrap, wrap, wrapped_modules
+from .helpers import family_param
 
 MIXER_CLASS = {
     "zamba": ("ZambaMambaMixer",),
@@ -43,9 +44,7 @@ STOCK_BROKEN = ("packed_position_ids", "packed_cu_seq_lens", "right_pad_decode",
 GRAD_RTOL = 1e-4
 
 
-def _param(family: str):
-    ok, why = family_available(family)
-    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+_param = family_param
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -29,7 +29,8 @@ import torch
 
 import safepad
 from safepad.cache import cache_argument, output_cache
-from safepad.testing.tiny import EXTRA_FAMILIES, FAMILIES, NEW_FAMILIES, family_available, tiny_model
+from safepad.testing.tiny import EXTRA_FAMILIES, FAMILIES, NEW_FAMILIES, tiny_model
+from .helpers import family_param
 
 TOL = 1e-4
 N_NEW = 4
@@ -41,9 +42,7 @@ _UNCLAMPED = {"nemotron_h": "time_step_limit", "zamba2": "time_step_limit"}
 _ALL_MODES = ("nemotron_h", "mamba", "jamba", "qwen3_next", "lfm2", "lfm3", "inkling_text", "qwen4_exp")
 
 
-def _param(family: str):
-    ok, why = family_available(family)
-    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+_param = family_param
 
 
 @pytest.fixture(scope="module", autouse=True)
