@@ -109,13 +109,17 @@ def test_strengthening_makes_the_state_corruption_larger():
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
-def test_low_precision_tiny_model_keeps_transformers_fp32_modules(dtype):
-    """tiny_model(dtype=...) keeps the dtype plan transformers applies when it builds the model in that dtype
-    (Inkling2: fp32 MoE router and residual convolutions); a plain ``.to(bf16)`` crashed the stock model."""
+def test_low_precision_tiny_model_keeps_transformers_fp32_modules(dtype, tmp_path):
+    """tiny_model(dtype=...) keeps the dtype plan transformers applies when it loads the model in that dtype
+    (Inkling2: fp32 MoE router and residual convolutions); a plain ``.to(bf16)`` crashed the stock model.
+
+    The reference is ``from_pretrained(dtype=...)``: transformers 5.23's ``from_config(dtype=...)`` does not apply
+    the plan (everything comes out in ``dtype``), 5.24's does, and loading applies it in both."""
     import transformers
 
     model = tiny_model("inkling2_text", dtype=dtype)
-    built = transformers.AutoModelForCausalLM.from_config(tiny_config("inkling2_text"), dtype=dtype)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("inkling2_text")).save_pretrained(tmp_path)
+    built = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
     want = {n: t.dtype for n, t in [*built.named_parameters(), *built.named_buffers()] if t.is_floating_point()}
     got = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
     assert got == want
