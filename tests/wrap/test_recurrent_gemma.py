@@ -264,3 +264,25 @@ def test_a_cache_of_more_rows_than_the_call_raises(small_models, rows):
         wrapped(input_ids=torch.randint(3, 250, (3, 5)), use_cache=True, **_cache_kw(wrapped, cache))
         with pytest.raises(ValueError, match=rf"3 rows but this call has {rows} rows"):
             wrapped(input_ids=torch.randint(3, 250, (rows, 1)), use_cache=True, **_cache_kw(wrapped, cache))
+
+
+@torch.no_grad()
+def test_cached_beam_search_on_one_unpadded_prompt_equals_the_cache_free_search(models):
+    """Stock keeps the recurrent states on its modules, where beam search's cache reorder never reaches them:
+    its cached beam search on one unpadded prompt scores beams by another beam's state (greedy, one row, is
+    right). Wrapped, the cached search returns the beams and scores of the cache-free search, every step a full
+    forward of the stock model."""
+    stock, wrapped = models
+    prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(4))
+    kw = dict(
+        max_new_tokens=4, min_new_tokens=4, num_beams=3, num_return_sequences=2, do_sample=False,
+        length_penalty=0.0, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        attention_mask=torch.ones_like(prompt),
+    )
+    ref = stock.generate(input_ids=prompt, use_cache=False, **kw)
+    got = wrapped.generate(input_ids=prompt, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert (got.sequences_scores - ref.sequences_scores).abs().max() < 1e-4
+    bad = stock.generate(input_ids=prompt, **kw)
+    assert not torch.equal(bad.sequences, ref.sequences)
+    assert (bad.sequences_scores - ref.sequences_scores).abs().max() > 1e-2
