@@ -11,17 +11,9 @@ import pytest
 from safepad.cli.main import main
 from safepad.testing import tiny_model
 
+from .helpers import run_audit as _run
+
 BROKEN_AND_OK = "right_pad_decode,left_pad_decode"  # broken in stock mamba2, and right in stock mamba2
-
-
-def identity(model):
-    return model
-
-
-def _run(argv, capsys, wrap_fn=identity):
-    code = main(["audit", "--no-progress", *argv], wrap_fn=wrap_fn)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(

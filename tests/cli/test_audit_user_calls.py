@@ -6,19 +6,10 @@ import json
 
 import pytest
 
-from safepad.cli.main import main
 from safepad.testing.scenarios import AUDIT_SCENARIOS, NO_POSITION_SCENARIOS, SCENARIOS
 from safepad.wrap import wrap
 
-
-def identity(model):
-    return model
-
-
-def _run(argv, capsys, wrap_fn=identity):
-    code = main(["audit", "--no-progress", *argv], wrap_fn=wrap_fn)
-    out, err = capsys.readouterr()
-    return code, out, err
+from .helpers import run_audit as _run
 
 
 def test_the_default_audit_includes_every_call_without_position_ids():
