@@ -13,7 +13,6 @@ the stock model (GLM-5 Next: its DSA indexer's slot state moves with the keys). 
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -43,13 +42,7 @@ CASES = {
 _param = family_param
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_transformers():
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _strengthen_attention(model):

@@ -11,7 +11,6 @@ than the rows and a stronger relative-position bias than the audit's, so slot er
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -29,13 +28,7 @@ WINDOW = 6
 _param = family_param
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_transformers():
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _build(family: str, **overrides):

@@ -12,7 +12,6 @@ reason.
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -47,13 +46,7 @@ GRAD_RTOL = 1e-4
 _param = family_param
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_transformers():
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.fixture(scope="module", params=[_param(f) for f in NEW_FAMILIES])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 
 import pytest
 import torch
@@ -46,13 +45,7 @@ _EVERY_FAMILY = FAMILIES + EXTRA_FAMILIES + NEW_FAMILIES
 _param = family_param
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quiet_transformers():
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)  # "right-padding was detected" on every call here
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 _MODELS: dict[str, tuple] = {}
