@@ -225,7 +225,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
         named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
         record.keep = keep
-    if (call.order is not None and record.restore) or record.labels is not None:
+    if record.restore:  # (attention weights address cache slots even when the chunk keeps its order)
         _ask_for_model_output(module, info, named, record)
     call.install(cache)
     record.call = call
@@ -384,7 +384,7 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:
         output = _with_loss(record, call, output, module)
-    elif call is None or call.order is None:
+    elif call is None:
         return None
     else:
         output = _restored(record, call, output)

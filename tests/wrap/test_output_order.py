@@ -68,7 +68,8 @@ def _ids(T: int, seed: int):
 @pytest.mark.parametrize("family,overrides", HYBRIDS)
 @torch.no_grad()
 def test_attentions_and_router_logits_in_the_callers_order(family, overrides):
-    """Right-padded cached prefill, then a chunk with a hole: weights and router logits equal each row alone."""
+    """Right-padded cached prefill, a chunk with a hole, a decode step: weights (and router logits) equal each row
+    alone, the key axis being the caller's columns of the full-length mask."""
     stock, wrapped = _build(family, **overrides)
     prefill, chunk = _ids(7, 1), _ids(3, 2)
     m1 = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1] * 7])
@@ -79,9 +80,12 @@ def test_attentions_and_router_logits_in_the_callers_order(family, overrides):
     cache = next(iter(first.values())) if first else _cache_of(out1)
     out2 = wrapped(input_ids=chunk, attention_mask=m2, use_cache=True, output_attentions=True,
                    **{cache_argument(wrapped): cache})
-    ids = torch.cat([prefill, chunk], 1)
-    for out, T in ((out1, 7), (out2, 3)):
-        full = m2[:, : m1.shape[1] + (3 if out is out2 else 0)].bool()  # [B, L + T]: the caller's columns
+    step, m3 = _ids(1, 3), torch.cat([m2, torch.ones(2, 1, dtype=m2.dtype)], 1)  # a decode step on the re-laid cache
+    out3 = wrapped(input_ids=step, attention_mask=m3, use_cache=True, output_attentions=True,
+                   **{cache_argument(wrapped): cache})
+    ids = torch.cat([prefill, chunk, step], 1)
+    for out, T, mask in ((out1, 7, m1), (out2, 3, m2), (out3, 1, m3)):
+        full = mask.bool()  # [B, L + T]: the caller's columns
         layers = [a for a in out.attentions if a is not None]
         assert layers
         for b in range(2):
