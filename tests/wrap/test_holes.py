@@ -101,3 +101,20 @@ def test_loss_with_holes_in_a_training_step(family):
     assert abs(out.loss.item() - ref_loss.item()) < 1e-5 * max(1.0, ref_loss.item())
     out.loss.backward()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in wrapped.parameters())
+
+
+@pytest.mark.parametrize("family", [family_param(f) for f in ("qwen3_next", "lfm3")])
+@torch.no_grad()
+def test_holes_with_logits_to_keep_and_position_ids(family):
+    """``logits_to_keep`` keeps the caller's last columns; given ``position_ids`` travel with their tokens."""
+    stock = _build(family, window=True)
+    wrapped = wrap(copy.deepcopy(stock), backend="torch")
+    ids, mask = _batch()
+    full = wrapped(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    kept = wrapped(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=3).logits
+    assert kept.shape[1] == 3 and torch.allclose(kept, full[:, -3:], atol=1e-6)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # the row alone's positions at its real tokens
+    given = wrapped(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    for b, ref in enumerate(_alone(stock, ids, mask)):
+        got = given[b][mask[b].bool()]
+        assert (got - ref).abs().max().item() / ref.abs().max().item() < TOL
