@@ -402,6 +402,8 @@ def _restored(record: SlotRecord, call: SlotJustifiedCall, output):
     B, T = record.shape
 
     def fix(v, name=""):
+        if name in CACHE_NAMES:
+            return v  # (a legacy tuple cache holds [B, H, S, D] slots, not tokens)
         if isinstance(v, (tuple, list)):
             return type(v)(fix(x, name) for x in v)
         if not isinstance(v, torch.Tensor):
