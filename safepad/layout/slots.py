@@ -232,7 +232,8 @@ class SlotJustifiedCall:
         n = min(K, total)
         lead = w.shape[1:-1]  # [H, T]
         kept = w[..., K - n :] if K <= total else w[..., :n]  # [B, H, T, n] over justified slots total-n .. total-1
-        kept = kept * self.mask[:, total - n :].to(device=w.device, dtype=w.dtype).view(B, *([1] * len(lead[:-1])), 1, n)
+        real_k = self.mask[:, total - n :].to(device=w.device, dtype=w.dtype)  # [B, n]
+        kept = kept * real_k.view(B, *([1] * len(lead[:-1])), 1, n)
         cols = pads_first_order(self.full_mask.to(w.device))[:, total - n :]  # [B, n] caller column of each slot
         out = w.new_zeros(B, *lead, max(K, total))
         out.scatter_(-1, cols.view(B, *([1] * len(lead)), n).expand_as(kept), kept)

@@ -192,7 +192,8 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         return (), named
     if uncached_holes and ("use_cache" in params or info["var_kwargs"]):
         named["use_cache"] = False  # (a training step's config default): nobody reads that cache
-    if named.get("labels") is not None and (explicit or uncached_holes) and callable(getattr(module, "loss_function", None)):
+    scored = explicit or uncached_holes
+    if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
         # the cache is wanted: re-lay the row for it, and score the caller's row (post-hook, slot_restore)
         record.labels = named.pop("labels")
         record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
