@@ -194,7 +194,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["use_cache"] = False  # (a training step's config default): nobody reads that cache
     scored = explicit or uncached_holes
     if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
-        # the cache is wanted (or the row has holes): re-lay the row, and score the caller's row (post-hook, slot_restore)
+        # the cache is wanted (or the row has holes): re-lay the row, score the caller's row (post-hook, slot_restore)
         record.labels = named.pop("labels")
         record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
         record.restore = True
