@@ -186,6 +186,7 @@ class SlotJustifiedCall:
         B, total = full_mask.shape
         T = total - past_len
         self.past_len, self.T = past_len, T
+        self.full_mask = full_mask  # [B, L + T]: the caller's layout of the cached slots and the current tokens
         cur = full_mask[:, past_len:]  # [B, T]
         self.n_past = full_mask[:, :past_len].sum(1)  # [B]
         self.n_new = cur.sum(1)  # [B]
@@ -214,6 +215,31 @@ class SlotJustifiedCall:
             return x
         idx = self.inverse.to(x.device).view(*self.inverse.shape, *([1] * (x.dim() - 2))).expand_as(x)
         return x.gather(1, idx)
+
+    def restore_attention(self, w: Tensor) -> Tensor:
+        """Attention weights ``[B, H, T, K]`` of the justified layout -> the caller's layout ``[B, H, T, L + T]``.
+
+        Queries go back in the caller's order (:meth:`restore`). Keys: the justified layout holds each row's real
+        tokens (cached and current) as its last slots, in order, so the ``j``-th real slot goes to the column of
+        the ``j``-th real token of the caller's full mask (``[B, L + T]``: the cached tokens as the caller laid them
+        out, then the current ones). ``K`` is the layer's key slots: the last ``K`` of the ``L + T`` (a sliding
+        layer keeps fewer: the columns before them hold 0, as keys outside the window do in a call without a
+        cache), or more (a static cache's unused slots: they stay after the ``L + T`` columns, 0). Columns of
+        pads and rows of pad queries hold 0.
+        """
+        B, total = self.full_mask.shape
+        K = w.shape[-1]
+        n = min(K, total)
+        lead = w.shape[1:-1]  # [H, T]
+        kept = w[..., K - n :] if K <= total else w[..., :n]  # [B, H, T, n] over justified slots total-n .. total-1
+        real_k = self.mask[:, total - n :].to(device=w.device, dtype=w.dtype)  # [B, n]
+        kept = kept * real_k.view(B, *([1] * len(lead[:-1])), 1, n)
+        cols = pads_first_order(self.full_mask.to(w.device))[:, total - n :]  # [B, n] caller column of each slot
+        out = w.new_zeros(B, *lead, max(K, total))
+        out.scatter_(-1, cols.view(B, *([1] * len(lead)), n).expand_as(kept), kept)
+        out = self.restore(out.movedim(-2, 1)).movedim(1, -2)  # queries back in the caller's order
+        real_q = self.full_mask[:, self.past_len :].to(device=w.device, dtype=w.dtype)  # [B, T]
+        return out * real_q.view(B, *([1] * len(lead[:-1])), self.T, 1)
 
     def position_ids(self) -> Tensor:
         """``[B, T]`` positions of the justified chunk's slots: real tokens count on from the row's cached ones.

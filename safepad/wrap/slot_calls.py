@@ -39,7 +39,7 @@ _SHIFT_ATTR = "_safepad_position_shift"
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("call", "keep", "labels", "loss_kwargs", "padded", "restore", "shape", "shift")
+    __slots__ = ("as_tuple", "call", "keep", "labels", "loss_kwargs", "padded", "restore", "shape", "shift")
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
                  restore: bool = True):
@@ -52,6 +52,9 @@ class SlotRecord:
         # logits put back in the caller's order (the model itself would score the re-laid row)
         self.labels = None
         self.loss_kwargs: dict = {}
+        # the caller asked for a tuple (return_dict=False, or a config that returns tuples): the forward returns a
+        # ModelOutput, whose fields are named (slot_restore puts each back by its name), and to_tuple() is returned
+        self.as_tuple = False
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -126,13 +129,21 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     m = mask.to(torch.bool)
     if not wanted or (module.training and not explicit):
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
-        # the attention reads slot distances (a spec's ``slot_distances``) and a row has a pad between real tokens
-        # (an inference call without labels: re-laid like a first cached call, outputs put back in order)
-        for check in info["slot_checks"]:
-            check(module, m[:, -T:])
-        holes = info.get("slot_distances") and past_len == 0 and mask.shape[1] == T and T > 1 and _has_holes(m)
-        if not (holes and not module.training and _arg(args, kwargs, params, "labels") is None):
+        # a hybrid's row has a pad between real tokens (a hole). Its attention would count the hole in its rotary
+        # positions (when none are given), its sliding window and slot distances, while the row alone has no such
+        # token: the call is re-laid like a first cached call (each row [pads | real], positions from the mask
+        # unless given), its outputs put back in order, and a loss taken over them (post-hook)
+        holes = (
+            (info["hybrid"] or info.get("slot_distances")) and past_len == 0 and mask.shape[1] == T and T > 1
+            and _has_holes(m)
+        )
+        if not holes:
+            for check in info["slot_checks"]:
+                check(module, m[:, -T:])
             return args, kwargs
+        uncached_holes = True
+    else:
+        uncached_holes = False
     if mask.shape[1] != past_len + T:
         if flagged or not bool(m.all()):
             raise ValueError(
@@ -179,8 +190,11 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["position_ids"] = position_ids + shift.to(position_ids.device)
     if call.noop:
         return (), named
-    if named.get("labels") is not None and explicit and callable(getattr(module, "loss_function", None)):
-        # the cache is wanted: re-lay the row for it, and score the caller's row (post-hook, slot_restore)
+    if uncached_holes and ("use_cache" in params or info["var_kwargs"]):
+        named["use_cache"] = False  # (a training step's config default): nobody reads that cache
+    scored = explicit or uncached_holes
+    if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
+        # the cache is wanted (or the row has holes): re-lay the row, score the caller's row (post-hook, slot_restore)
         record.labels = named.pop("labels")
         record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
         record.restore = True
@@ -212,9 +226,26 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
         named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
         record.keep = keep
+    if record.restore:  # (attention weights address cache slots even when the chunk keeps its order)
+        _ask_for_model_output(module, info, named, record)
     call.install(cache)
     record.call = call
     return (), named
+
+
+def _ask_for_model_output(module: nn.Module, info: dict, named: dict, record: SlotRecord) -> None:
+    """A caller asking for a tuple gets the ModelOutput's ``to_tuple()`` (the post-hook restores the fields by name).
+
+    A tuple holds no field names, so the post-hook could not tell hidden states from attention weights or router
+    logits; stock returns exactly ``ModelOutput.to_tuple()`` for ``return_dict=False``.
+    """
+    wanted = named.get("return_dict")
+    if wanted is None:
+        wanted = text_config_value(module, "return_dict", True) is not False
+    if wanted or not ("return_dict" in info["params"] or info["var_kwargs"]):
+        return
+    named["return_dict"] = True
+    record.as_tuple = True
 
 
 def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
@@ -353,25 +384,40 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
     if call is not None and (call.order is not None or call.relay) and cache is not None and not recurrent_only(cache):
         setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:
-        return _with_loss(record, call, output, module)
-    if call is None or call.order is None:
+        output = _with_loss(record, call, output, module)
+    elif call is None:
         return None
-    return _restored(record, call, output)
+    else:
+        output = _restored(record, call, output)
+    return output.to_tuple() if record.as_tuple and hasattr(output, "to_tuple") else output
 
 
 def _restored(record: SlotRecord, call: SlotJustifiedCall, output):
-    """``output`` with every ``[B, T, ...]`` tensor back in the caller's order (outside ``generate()``)."""
+    """``output`` with every per-token tensor back in the caller's order (outside ``generate()``).
+
+    ``[B, T, ...]`` tensors (logits, hidden states, nested or not), per-layer attention weights ``[B, H, T, K]``
+    (:meth:`~safepad.layout.slots.SlotJustifiedCall.restore_attention`: keys as the caller's full-mask columns)
+    and flattened per-token router logits ``[B * T, E]``. A tuple output (``return_dict=False``) was computed as a
+    ModelOutput (:func:`slot_justify`) and is returned as its ``to_tuple()``, so both hold the same tensors.
+    """
     B, T = record.shape
 
     def fix(v, name=""):
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
+        if name in CACHE_NAMES:
+            return v  # (a legacy tuple cache holds [B, H, S, D] slots, not tokens)
+        if isinstance(v, (tuple, list)):
+            return type(v)(fix(x, name) for x in v)
+        if not isinstance(v, torch.Tensor):
+            return v
+        if record.restore and "attentions" in name and v.dim() == 4 and v.shape[0] == B and v.shape[2] == T:
+            return call.restore_attention(v)
+        if record.restore and "router_logits" in name and v.dim() == 2 and v.shape[0] == B * T:
+            return call.restore(v.view(B, T, -1)).reshape(v.shape)
+        if v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
             if record.restore:
                 v = call.restore(v)
             if name == "logits" and record.keep is not None:
                 v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
-            return v
-        if isinstance(v, tuple) and name in ("hidden_states",):
-            return tuple(fix(x) for x in v)
         return v
 
     if hasattr(output, "keys") and hasattr(output, "__setitem__"):
@@ -379,5 +425,5 @@ def _restored(record: SlotRecord, call: SlotJustifiedCall, output):
             output[k] = fix(output[k], k)
         return output
     if isinstance(output, tuple):
-        return tuple(fix(v) for v in output)
+        return tuple(fix(v, "hidden_states" if isinstance(v, tuple) else "") for v in output)
     return fix(output)
