@@ -183,7 +183,8 @@ def _plan(lengths: np.ndarray, max_length: int, strategy: str, overflow: str) ->
     if strategy == "bfd":
         order, row_nseq = bfd_assign(frag_len, max_length)
         out_start, out_len = frag_start[order], frag_len[order]  # [S]
-        src = _ranges(out_start, out_len)  # [T] flat input index of every output token
+        # [T] flat input index of every output token (int32 when it fits: half the memory to fill)
+        src = _ranges(out_start, out_len, np.int32 if lengths.sum() < 2**31 else np.int64)
         row_ntok = np.add.reduceat(out_len, _exclusive_cumsum(row_nseq)) if row_nseq.size else row_nseq
         return _Plan(src, out_len, row_nseq, row_ntok)
 
@@ -577,29 +578,54 @@ def pack_dataset(
         packed = packed.with_format(fmt["type"], **(fmt.get("format_kwargs") or {}))
         return (packed, stats) if return_stats else packed
 
-    kwargs = dict(map_kwargs or {})
-    kwargs.setdefault("desc", f"Packing ({strategy}, max_length={max_length})")
-    packed = arrow.map(
-        _pack_arrow_batch,
-        batched=True,
-        batch_size=batch_size,
-        num_proc=num_proc,
-        remove_columns=dataset.column_names,
-        fn_kwargs={
-            "max_length": max_length,
-            "strategy": strategy,
-            "overflow": overflow,
-            "token_columns": tuple(token_columns),
-            "emit_position_ids": emit_position_ids,
-            "example_columns": tuple(example_columns),
-        },
-        **kwargs,
-    )
+    fn_kwargs = {
+        "max_length": max_length,
+        "strategy": strategy,
+        "overflow": overflow,
+        "token_columns": tuple(token_columns),
+        "emit_position_ids": emit_position_ids,
+        "example_columns": tuple(example_columns),
+    }
+    if not dataset.cache_files and num_proc is None and not map_kwargs:
+        # An in-memory dataset: Dataset.map would pack the same batches and keep the result in memory too, but
+        # only after writing every packed batch into an in-memory Arrow stream and reading it back (most of the
+        # time on a large dataset). Build that table directly.
+        batches = [_pack_arrow_batch(table.slice(i, batch_size), **fn_kwargs) for i in range(0, len(table), batch_size)]
+        from datasets.fingerprint import Hasher  # a fingerprint like map's: hashing the packed table takes longer
+
+        fingerprint = Hasher.hash(["safepad.pack_dataset", dataset._fingerprint, batch_size, fn_kwargs])
+        packed = datasets.Dataset(pa.concat_tables(batches), split=dataset.split, fingerprint=fingerprint)
+    else:
+        packed = _map_pack(arrow, dataset, batch_size, num_proc, map_kwargs, fn_kwargs, strategy, max_length)
     fmt = dataset.format
     packed = packed.with_format(fmt["type"], **(fmt.get("format_kwargs") or {}))
     out_stats = packing_stats(packed, max_length)
     stats.rows, stats.sequences, stats.tokens = out_stats.rows, out_stats.sequences, out_stats.tokens
     return (packed, stats) if return_stats else packed
+
+
+def _map_pack(
+    arrow: Any,
+    dataset: Any,
+    batch_size: int,
+    num_proc: int | None,
+    map_kwargs: dict[str, Any] | None,
+    fn_kwargs: dict[str, Any],
+    strategy: str,
+    max_length: int,
+) -> Any:
+    """``Dataset.map`` over :func:`_pack_arrow_batch` (a dataset on disk, ``num_proc`` or ``map_kwargs``)."""
+    kwargs = dict(map_kwargs or {})
+    kwargs.setdefault("desc", f"Packing ({strategy}, max_length={max_length})")
+    return arrow.map(
+        _pack_arrow_batch,
+        batched=True,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        remove_columns=dataset.column_names,
+        fn_kwargs=fn_kwargs,
+        **kwargs,
+    )
 
 
 def _classify_columns(

@@ -38,6 +38,7 @@ __all__ = [
     "CachedStates",
     "SafepadGenerate",
     "SafepadPrepareInputs",
+    "SafepadQuietGenerate",
     "cache_post_hook",
     "cache_argument",
     "cache_from_kwargs",
@@ -538,6 +539,33 @@ class SafepadPrepareInputs:
         return inputs
 
 
+#: inside a wrapped ``generate`` call (this thread / task only): transformers' right-padding warning is dropped
+_IN_WRAPPED_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_in_generate", default=False)
+#: the logger transformers' ``generate`` warns on, and the start of its right-padding warning
+_GENERATE_LOGGER = "transformers.generation.utils"
+_RIGHT_PADDING_WARNING = "A decoder-only architecture is being used, but right-padding was detected"
+
+
+class _RightPaddingFilter(logging.Filter):
+    """Drops transformers' "right-padding was detected! ... set padding_side='left'" warning, only while a wrapped
+    model's ``generate`` runs in this thread: safepad makes right-padded prompts correct, so the advice is wrong
+    there. Installed once on transformers' generation logger; inert outside a wrapped ``generate``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_IN_WRAPPED_GENERATE.get() and str(record.msg).startswith(_RIGHT_PADDING_WARNING))
+
+
+_RIGHT_PADDING_FILTER = _RightPaddingFilter()
+
+
+def _quiet_right_padding_warning() -> contextvars.Token:
+    """Enter a wrapped ``generate``: install the (inert elsewhere) filter once and switch it on for this call."""
+    gen_logger = logging.getLogger(_GENERATE_LOGGER)
+    if _RIGHT_PADDING_FILTER not in gen_logger.filters:
+        gen_logger.addFilter(_RIGHT_PADDING_FILTER)
+    return _IN_WRAPPED_GENERATE.set(True)
+
+
 class SafepadGenerate:
     """``model.generate`` of a wrapped model whose cache has no attention layer.
 
@@ -563,6 +591,7 @@ class SafepadGenerate:
             kwargs[name] = new_tracked_cache(model.config, owned=True)
         counts: dict = {}
         token = _GEN_COUNTS.set(counts)
+        quiet = _quiet_right_padding_warning()
         try:
             out = type(model).generate(model, *args, **kwargs)
         except BaseException:
@@ -570,6 +599,7 @@ class SafepadGenerate:
                 _READ.pop(cache, None)
             raise
         finally:
+            _IN_WRAPPED_GENERATE.reset(quiet)
             _GEN_COUNTS.reset(token)
         for cache, read in counts.values():  # SafepadPrepareInputs counted the tokens each forward fed
             if read is None:
@@ -584,3 +614,15 @@ class SafepadGenerate:
         use_cache = kwargs.get("use_cache", getattr(gen_config, "use_cache", True))
         implementation = kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None))
         return bool(use_cache) and implementation is None and fresh_cache_is_recurrent_only(model.config)
+
+
+class SafepadQuietGenerate(SafepadGenerate):
+    """``model.generate`` of a wrapped model whose cache tracks its own length (a hybrid with attention layers):
+    the class's own ``generate``, with only transformers' right-padding warning silenced for the call."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        quiet = _quiet_right_padding_warning()
+        try:
+            return type(self.model).generate(self.model, *args, **kwargs)
+        finally:
+            _IN_WRAPPED_GENERATE.reset(quiet)

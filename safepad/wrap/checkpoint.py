@@ -60,7 +60,13 @@ def _recompute(function, args: tuple, kwargs: dict):
 
 
 def hook_checkpoint_functions(modules: list[nn.Module]) -> None:
-    """Wrap each module's ``_gradient_checkpointing_func`` (if any, and not already wrapped)."""
+    """Wrap each module's ``_gradient_checkpointing_func`` (if any, and not already wrapped).
+
+    Not while dynamo traces: the traced checkpoint needs no context (see :class:`_CheckpointWithContext`), and
+    swapping the attribute inside the trace fails the graph's guard on it at the next call (one recompile).
+    """
+    if tracing():
+        return
     for m in modules:
         fn = m.__dict__.get("_gradient_checkpointing_func")
         if fn is not None and type(fn) is not _CheckpointWithContext:

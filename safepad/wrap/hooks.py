@@ -27,6 +27,7 @@ from ..cache import (
     CachePreHook,
     SafepadGenerate,
     SafepadPrepareInputs,
+    SafepadQuietGenerate,
     cache_argument,
     cache_from_kwargs,
     cache_post_hook,
@@ -102,10 +103,12 @@ def install_model_hooks(model: nn.Module) -> None:
             )
             cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
             target._safepad_hook_handles += [cache_pre, cache_post]
-        if fresh_cache_is_recurrent_only(getattr(target, "config", None)):
-            # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
-            if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
+        if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
+            if fresh_cache_is_recurrent_only(getattr(target, "config", None)):
+                # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
                 target.generate = SafepadGenerate(target, track=recurrent)
+            else:  # only silences transformers' right-padding advice, which safepad makes wrong
+                target.generate = SafepadQuietGenerate(target)
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
