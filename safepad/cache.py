@@ -22,10 +22,10 @@ import contextvars
 import inspect
 import logging
 import sys
-import weakref
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._tracing import tracing
@@ -41,6 +41,7 @@ __all__ = [
     "cache_post_hook",
     "cache_argument",
     "cache_from_kwargs",
+    "forget_read",
     "fresh_cache_is_recurrent_only",
     "needs_token_count",
     "new_tracked_cache",
@@ -418,34 +419,99 @@ def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
     return None
 
 
-#: a recurrent-only cache that a wrapped ``generate`` ran (and that nobody counts, :func:`needs_token_count`
-#: False) -> ``(tokens it has read, fingerprint of its states then)``; beside the cache, never on it, so the
-#: cache keeps its class and a compiled forward sees no Python int
-_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: inside a wrapped ``generate``: ``id(cache) -> [cache, tokens read so far | None (unknown)]``
+#: what a cache has read, kept on the cache itself (so ``copy.deepcopy``, pickling and ``reset`` carry it): set by a
+#: wrapped ``generate`` when it returns, as ``(tokens read, the ids read [B, n] | None, versions of its states)``.
+#: Outside a forward only, so a compiled forward never reads it.
+_RECORD_ATTR = "_safepad_read"
+#: inside a wrapped ``generate``: ``id(cache) -> [cache, tokens read so far | None (unknown / counted by the
+#: cache), the last full input_ids prepare_inputs_for_generation saw | None]``
 _GEN_COUNTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("safepad_generate_counts", default=None)
 
 
-def _state_fingerprint(cache: Any) -> tuple:
-    """``(id, version)`` of every state tensor of ``cache``: it changes whenever a forward writes a state."""
+def _state_versions(cache: Any) -> tuple:
+    """The version counter of every state tensor of ``cache``: it grows whenever a forward writes a state in place."""
     out = []
     for layer in getattr(cache, "layers", ()):
         for attr in ("conv_states", "recurrent_states"):
             states = getattr(layer, attr, None)
             values = states.values() if isinstance(states, dict) else (states or ())
-            out.extend((id(t), t._version) for t in values if isinstance(t, Tensor))
+            out.extend(t._version for t in values if isinstance(t, Tensor))
     return tuple(out)
 
 
+def _record(cache: Any) -> tuple[int, Tensor | None] | None:
+    """``(tokens read, ids read)`` that the last wrapped ``generate`` left on ``cache``, while its states are the ones
+    it left: the same version counters, or all 0 (a copy: ``copy.deepcopy``, a pickle, a reorder). ``None`` else."""
+    rec = cache.__dict__.get(_RECORD_ATTR) if hasattr(cache, "__dict__") else None
+    if rec is None:
+        return None
+    n, ids, versions = rec
+    now = _state_versions(cache)
+    if now != versions and any(v > 1 for v in now):  # a copy's tensors count 0 or 1 (deepcopy's set_)
+        return None
+    return n, ids
+
+
+def forget_read(cache: Any) -> None:
+    """An eager wrapped forward outside a wrapped ``generate`` is about to read ``cache``: what the last ``generate``
+    left on it (``_record``) no longer says what it has read."""
+    if cache is not None and _GEN_COUNTS.get() is None and _RECORD_ATTR in getattr(cache, "__dict__", {}):
+        del cache.__dict__[_RECORD_ATTR]
+
+
 def _tokens_read(cache: Any) -> int | None:
-    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state, the count a wrapped
-    ``generate`` left when its states are unchanged since, ``None`` (unknown) otherwise."""
+    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state (new, or ``reset()``), the
+    count a wrapped ``generate`` left when its states are those it left, ``None`` (unknown) otherwise."""
     if not _holds_states(cache):
         return 0
-    known = _READ.get(cache)
-    if known is not None and known[1] == _state_fingerprint(cache):
-        return known[0]
-    return None
+    rec = _record(cache)
+    return None if rec is None else rec[0]
+
+
+def _counted_length(cache: Any) -> int | None:
+    """Tokens a cache that can count them (an attention layer, or safepad's count) says it holds; None if it cannot."""
+    try:
+        return int(cache.get_seq_length())
+    except (ValueError, AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _check_continuation(model: Any, cache: Any, seq: Tensor, read: int) -> None:
+    """The first forward of a ``generate`` handed a cache that has read ``read`` tokens and the full sequence
+    ``seq`` ``[B, L]`` (``input_ids``, or ``inputs_embeds`` ``[B, L, D]``): the cache must hold a prefix of it.
+
+    A cache is advanced in place by every call that reads it, so a second continuation from the same object (or a
+    ``StaticCache`` reused for a new prompt without ``reset()``) would go on from states of other tokens, silently
+    (stock transformers slices the sequence by the cache's length, or feeds it whole on top of the old states).
+    """
+    name = f"{type(model).__name__}.generate"
+    fix = (
+        "To continue twice from one point, pass copy.deepcopy(cache) to each continuation (a cache is advanced in "
+        "place by every call that reads it); to start a new sequence, pass a new cache or call cache.reset() first."
+    )
+    L = int(seq.shape[1])
+    if read >= L:
+        raise ValueError(
+            f"{name}: the cache has already read {read} tokens but the input sequence holds {L}, so its states are not "
+            "those of a prefix of this sequence (a later generate() or forward continued from the same cache object, "
+            f"or it served another prompt). {fix}"
+        )
+    rec = _record(cache)
+    if rec is None or rec[0] != read or not isinstance(rec[1], Tensor) or seq.dim() != 2:
+        return
+    ids = rec[1]
+    if tuple(ids.shape) != (seq.shape[0], read):
+        return
+    if not torch.equal(ids.to(seq.device), seq[:, :read]):
+        raise ValueError(
+            f"{name}: the cache holds the states of another sequence: the first {read} tokens it has read differ from "
+            f"those of input_ids. {fix}"
+        )
+
+
+def _note_ids(entry: list, input_ids: Any) -> None:
+    if isinstance(input_ids, Tensor) and input_ids.dim() == 2:
+        entry[2] = input_ids
 
 
 def _length_of(inputs: dict) -> int:
@@ -500,34 +566,44 @@ class SafepadPrepareInputs:
         model = self.model
         counts = _GEN_COUNTS.get()
         _, cache = cache_from_kwargs(kwargs)
+        first = bool(kwargs.get("is_first_iteration"))
+        seq = kwargs.get("inputs_embeds") if first else None
+        seq = seq if isinstance(seq, Tensor) else input_ids
+        mask = kwargs.get("attention_mask")
+        # the whole sequence (not only the new tokens with the full mask, which stock also accepts)
+        full = isinstance(seq, Tensor) and (mask is None or (isinstance(mask, Tensor) and mask.shape[-1] == seq.shape[1]))
         untracked = (
             counts is not None and cache is not None and not isinstance(cache, _TracksSeqLength) and recurrent_only(cache)
         )
         if not untracked:
+            if first and full and cache is not None and kwargs.get("next_sequence_length") is not None:
+                read = _counted_length(cache) if _holds_states(cache) or not recurrent_only(cache) else None
+                if read:  # generate slices the sequence by this count
+                    _check_continuation(model, cache, seq, read)
+            if counts is not None and cache is not None:
+                _note_ids(counts.setdefault(id(cache), [cache, None, None]), input_ids)
             inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
-            if kwargs.get("is_first_iteration"):
+            if first:
                 _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
             return inputs
-        entry = counts.setdefault(id(cache), [cache, _tokens_read(cache)])
+        entry = counts.setdefault(id(cache), [cache, _tokens_read(cache), None])
         read, drop = entry[1], 0
-        seq = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
-        seq = seq if isinstance(seq, Tensor) else input_ids
-        mask = kwargs.get("attention_mask")
-        full = isinstance(seq, Tensor) and (mask is None or (isinstance(mask, Tensor) and mask.shape[-1] == seq.shape[1]))
-        if kwargs.get("is_first_iteration") and kwargs.get("next_sequence_length") is None and full and _holds_states(cache):
+        if first and kwargs.get("next_sequence_length") is None and full and _holds_states(cache):
             if read is None:
                 raise ValueError(
                     f"{type(model).__name__}.generate: the cache holds recurrent states that no wrapped generate() "
                     "left as they are (a plain forward, an unwrapped model or a later call wrote them), so safepad "
                     "cannot tell which of the input tokens it has already read, and reading them again would be "
                     "wrong. Pass the cache the wrapped model's last generate(return_dict_in_generate=True) returned, "
-                    "together with its full sequences; or call the model's forward with only the new tokens."
+                    "together with its full sequences (copy.deepcopy(cache) first to continue twice from it); or call "
+                    "the model's forward with only the new tokens."
                 )
-            if seq.shape[1] > read:
-                drop = read
-                kwargs["next_sequence_length"] = int(seq.shape[1]) - read
+            _check_continuation(model, cache, seq, read)
+            drop = read
+            kwargs["next_sequence_length"] = int(seq.shape[1]) - read
+        _note_ids(entry, input_ids)
         inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
-        if kwargs.get("is_first_iteration"):
+        if first:
             _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
         if drop:
             m = inputs.get("attention_mask")
@@ -566,16 +642,21 @@ class SafepadGenerate:
         try:
             out = type(model).generate(model, *args, **kwargs)
         except BaseException:
-            for cache, _ in counts.values():  # states written part of the way: unknown from here on
-                _READ.pop(cache, None)
+            for cache, *_ in counts.values():  # states written part of the way: unknown from here on
+                rec = cache.__dict__.get(_RECORD_ATTR)
+                if rec is not None and rec[2] != _state_versions(cache):
+                    del cache.__dict__[_RECORD_ATTR]
             raise
         finally:
             _GEN_COUNTS.reset(token)
-        for cache, read in counts.values():  # SafepadPrepareInputs counted the tokens each forward fed
+        for cache, read, ids in counts.values():  # what each cache has read, kept on the cache (_record)
+            if read is None and (isinstance(cache, _TracksSeqLength) or not recurrent_only(cache)):
+                read = _counted_length(cache)
             if read is None:
-                _READ.pop(cache, None)
-            else:
-                _READ[cache] = (read, _state_fingerprint(cache))
+                cache.__dict__.pop(_RECORD_ATTR, None)
+                continue
+            ids = ids[:, :read] if isinstance(ids, Tensor) and ids.shape[1] >= read else None
+            cache.__dict__[_RECORD_ATTR] = (read, ids, _state_versions(cache))
         return out
 
     @staticmethod

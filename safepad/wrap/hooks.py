@@ -30,6 +30,7 @@ from ..cache import (
     cache_argument,
     cache_from_kwargs,
     cache_post_hook,
+    forget_read,
     fresh_cache_is_recurrent_only,
     needs_token_count,
 )
@@ -158,6 +159,7 @@ class _ModelPreHook:
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
         check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
+        forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
         args, kwargs = slot_justify(module, info, args, kwargs, B, T)
