@@ -540,6 +540,19 @@ def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
         )
 
 
+def _padding_mask_for_recurrent_only(cache: Any, inputs: dict) -> None:
+    """A cache with no attention layer is compileable, so ``generate`` hands the model per-layer-type masks it built
+    (a dict) instead of the 2-D padding mask. No attention layer reads them; the recurrent layers' entry is the 2-D
+    mask ``[B, L]`` itself: pass that, so the wrapped model sees the padding (a right-padded prompt's rows are then
+    re-laid as in any cached call, and generate reads each row's last real token)."""
+    built = inputs.get("attention_mask")
+    if cache is None or not isinstance(built, dict) or not recurrent_only(cache):
+        return
+    two_d = next((m for m in built.values() if isinstance(m, Tensor) and m.dim() == 2), None)
+    if two_d is not None:
+        inputs["attention_mask"] = two_d
+
+
 class SafepadPrepareInputs:
     """``model.prepare_inputs_for_generation`` of a wrapped model whose fresh cache has no attention layer.
 
@@ -583,6 +596,7 @@ class SafepadPrepareInputs:
             if counts is not None and cache is not None:
                 _note_ids(counts.setdefault(id(cache), [cache, None, None]), input_ids)
             inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
+            _padding_mask_for_recurrent_only(cache, inputs)
             if first:
                 _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
             return inputs
