@@ -119,11 +119,6 @@ def _check_cache(cache, layer_idx: int) -> None:
             f"safepad expected a transformers Cache with recurrent layers (DynamicCache(config=...)), got "
             f"{type(cache).__name__}"
         )
-    if hasattr(cache, "is_recording_past") and cache.is_recording_past(layer_idx):
-        raise ValueError(
-            "the cache records past states for rollback (assisted / speculative generation); safepad-wrapped "
-            "recurrent layers do not support cache cropping yet: unwrap the model for assisted generation"
-        )
 
 
 def read_states(cache, layer_idx: int, state_idx: int = 0, *, conv: bool = True, recurrent: bool = True) -> CachedStates:
@@ -134,23 +129,87 @@ def read_states(cache, layer_idx: int, state_idx: int = 0, *, conv: bool = True,
     c = cache.get_conv_state(layer_idx, state_idx=state_idx) if conv else None
     r = cache.get_recurrent_state(layer_idx, state_idx=state_idx) if recurrent else None
     layer = cache.layers[layer_idx]
+    if c is not None and _recording(cache, layer_idx):  # the conv history (write_states): its last K columns
+        c = _last_columns(c, layer.conv_kernel_size[state_idx])
     has_prev = bool(getattr(layer, "has_previous_state", {}).get(state_idx, c is not None))
     if not has_prev:
         return CachedStates(None, None)
     return CachedStates(c, r)
 
 
+def _recording(cache, layer_idx: int) -> bool:
+    """Whether the cache layer keeps its past conv inputs for ``crop`` (assisted / speculative generation)."""
+    return bool(hasattr(cache, "is_recording_past") and cache.is_recording_past(layer_idx))
+
+
+def _last_columns(conv: Tensor, k: int) -> Tensor:
+    """``conv`` ``[B, D, W]`` -> its last ``k`` columns ``[B, D, k]`` (zeros on the left where ``W < k``)."""
+    if conv.shape[-1] >= k:
+        return conv[..., conv.shape[-1] - k :]
+    return torch.nn.functional.pad(conv, (k - conv.shape[-1], 0))
+
+
+def _right_justified(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` ``[B, D, W]`` with each row's kept columns (``keep`` ``[B, W]`` bool) moved right in order, zeros left."""
+    order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices  # [B, W]: dropped first, kept in order
+    kept = torch.gather(keep, 1, order)  # [B, W]
+    out = torch.gather(x, 2, order[:, None, :].expand(x.shape[0], x.shape[1], -1).to(x.device))
+    return out * kept[:, None, :].to(device=x.device, dtype=x.dtype)
+
+
+def _record_conv_history(cache, layer_idx: int, state_idx: int, conv: Tensor, inputs: Tensor, token_mask) -> None:
+    """A cache layer that records its past (``activate_past_recording``, set by assisted generation) keeps every conv
+    input since its last ``crop``, so that ``crop(-n)`` (its columns ``[-n-K : -n]``) is the state before the last
+    ``n`` tokens. Each row's real inputs are kept right-justified (pads dropped): ``crop`` removes real tokens (the
+    rejected candidates), and the last K columns are the row's state whatever the pads. ``inputs`` ``[B, T, D]``."""
+    layer = cache.layers[layer_idx]
+    k = int(conv.shape[-1])
+    B, T, D = inputs.shape
+    new = inputs.transpose(1, 2).to(conv.dtype)  # [B, D, T]
+    if not layer.has_previous_state[state_idx] or layer.conv_states[state_idx] is None:
+        layer.lazy_initialization(conv_states=conv, state_idx=state_idx, conv_kernel_size=k)
+        prev = new.new_zeros(B, D, k)  # no left context: the causal conv's zeros
+    else:
+        prev = layer.conv_states[state_idx].to(new.dtype)
+    full = torch.cat([prev, new], dim=-1)  # [B, D, W + T]
+    if token_mask is not None:
+        keep = torch.cat([torch.ones(B, prev.shape[-1], dtype=torch.bool, device=token_mask.device),
+                          token_mask.to(torch.bool)], dim=1)  # fmt: skip
+        full = _right_justified(full, keep)
+    layer.conv_kernel_size[state_idx] = k
+    layer.conv_states[state_idx] = full
+    layer.has_previous_state[state_idx] = True
+
+
 def write_states(
-    cache, layer_idx: int, *, conv: Tensor | None = None, recurrent: Tensor | None = None, state_idx: int = 0
+    cache,
+    layer_idx: int,
+    *,
+    conv: Tensor | None = None,
+    recurrent: Tensor | None = None,
+    state_idx: int = 0,
+    inputs: Tensor | None = None,
+    token_mask: Tensor | None = None,
 ) -> None:
     """Store the layer's new states, replacing the old ones.
 
     ``conv`` ``[B, D, K]`` must hold exactly the cache's K columns (the last K real inputs, oldest first);
     transformers' ``update_conv_state`` then stores it as is on prefill and, on a continuation, keeps the last
-    K columns of ``[old ‖ conv]``, which is ``conv`` itself.
+    K columns of ``[old ‖ conv]``, which is ``conv`` itself. A layer that records its past for ``crop`` (assisted
+    generation) keeps the chunk's conv ``inputs`` ``[B, T, D]`` instead (``token_mask`` ``[B, T]``: the real ones);
+    a mixer that does not hand them raises there.
     """
     if cache is None:
         return
+    if conv is not None and _recording(cache, layer_idx):
+        if inputs is None:
+            raise ValueError(
+                "the cache records past states for rollback (assisted / speculative generation), and this "
+                "safepad-wrapped mixer cannot roll its states back: generate without an assistant model or "
+                "prompt_lookup_num_tokens"
+            )
+        _record_conv_history(cache, layer_idx, state_idx, conv, inputs, token_mask)
+        conv = None
     if conv is not None:
         cache.update_conv_state(conv, layer_idx, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
     if recurrent is not None:
