@@ -79,11 +79,11 @@ def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask:
     if first.numel() and bool((first > 0).any()):
         raise ValueError(
             f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
-            f"{int(first.max())}), but the cache of this call holds no recurrent state: RecurrentGemma's forward returns "
-            "no cache and starts a new one on every call that is handed none, so the earlier tokens' states are gone. "
-            "Build cache = DynamicCache(config=model.config) and pass it (cache= in transformers 5.24, past_key_values= "
-            "in 5.23) to the prefill and to every later call, or use generate(); to start a new sequence, give "
-            "position_ids that start at 0."
+            f"{int(first.max())}), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
+            "returns no cache and starts a new one on every call that is handed none, so the earlier tokens' states "
+            "are gone. Build cache = DynamicCache(config=model.config) and pass it (cache= in transformers 5.24, "
+            "past_key_values= in 5.23) to the prefill and to every later call, or use generate(); to start a new "
+            "sequence, give position_ids that start at 0."
         )
 
 

@@ -103,10 +103,10 @@ def install_model_hooks(model: nn.Module) -> None:
             )
             cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
             target._safepad_hook_handles += [cache_pre, cache_post]
-        if fresh_cache_is_recurrent_only(getattr(target, "config", None)):
-            # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
-            if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
-                target.generate = SafepadGenerate(target, track=recurrent)
+        # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read; and for
+        # every cache, keep on it what it has read, so a reused one raises instead of continuing from other tokens
+        if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
+            target.generate = SafepadGenerate(target, track=recurrent)
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))

@@ -44,16 +44,16 @@ def _models(name: str):
 
 def _gen(model, ids, **kw):
     return model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, pad_token_id=0, do_sample=False,
-        return_dict_in_generate=True, **kw,
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, min_new_tokens=N_NEW, pad_token_id=0,
+        do_sample=False, return_dict_in_generate=True, **kw,
     )
 
 
 def _alone(stock, ids):
     """Greedy continuation of every row alone through the stock model, without a cache: ``[B, L + N_NEW]``."""
     rows = [
-        stock.generate(input_ids=r[None], attention_mask=torch.ones_like(r[None]), max_new_tokens=N_NEW, pad_token_id=0,
-                       do_sample=False, use_cache=False)[0]
+        stock.generate(input_ids=r[None], attention_mask=torch.ones_like(r[None]), max_new_tokens=N_NEW,
+                       min_new_tokens=N_NEW, pad_token_id=0, do_sample=False, use_cache=False)[0]
         for r in ids
     ]
     return torch.stack(rows)
@@ -81,15 +81,21 @@ def test_continue_twice_from_one_cache(name):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", [_param(f) for f in ("mamba", "mamba2")])
-def test_static_cache_reused_for_a_new_prompt(name):
-    """A ``StaticCache`` handed to a second generate with another prompt: without ``reset()`` it raises naming the
-    fix (the old wrapped model went on from the first prompt's states: rel 1.1-1.3), after ``reset()`` it is right."""
-    from transformers import StaticCache
+@pytest.mark.parametrize(
+    "name, static",
+    [pytest.param(*_param(f).values, True, id=f"{f}-static", marks=_param(f).marks) for f in ("mamba", "mamba2")]
+    + [pytest.param(*_param(f).values, False, id=f"{f}-dynamic", marks=_param(f).marks)
+       for f in ("nemotron_h_recurrent", "jamba")],
+)
+def test_a_cache_reused_for_a_new_prompt(name, static):
+    """A cache handed to a second generate with another prompt: without ``reset()`` it raises naming the fix (the
+    old wrapped model went on from the first prompt's states: a ``StaticCache`` on Mamba / Mamba2 rel 1.1-1.3, a
+    longer prompt on a ``DynamicCache`` sliced by the cache's length), after ``reset()`` it is right."""
+    from transformers import DynamicCache, StaticCache
 
     stock, wrapped = _models(name)
     kw = cache_argument(wrapped)
-    cache = StaticCache(config=wrapped.config, max_cache_len=32)
+    cache = StaticCache(config=wrapped.config, max_cache_len=32) if static else DynamicCache(config=wrapped.config)
     a = _prompt(1)
     assert torch.equal(_gen(wrapped, a, **{kw: cache}).sequences, _alone(stock, a))
     for b in (_prompt(2), _prompt(3, length=12)):  # shorter than what the cache read, and longer (another prefix)

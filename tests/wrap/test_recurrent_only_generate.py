@@ -41,8 +41,10 @@ def test_right_padded_generate_equals_each_prompt_alone(family):
     mask = torch.zeros_like(ids)
     for r, p in enumerate(prompts):
         ids[r, : len(p)], mask[r, : len(p)] = p, 1
-    out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
-                           do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    out = wrapped.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False, pad_token_id=0,
+        return_dict_in_generate=True, output_logits=True,
+    )
     for r, p in enumerate(prompts):
         new = out.sequences[r, 7:]
         ref = stock(input_ids=torch.cat([p, new])[None], use_cache=False).logits[0, len(p) - 1 : -1]  # [N_NEW, V]
