@@ -22,10 +22,10 @@ import contextvars
 import inspect
 import logging
 import sys
-import weakref
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._tracing import tracing
@@ -38,10 +38,10 @@ __all__ = [
     "CachedStates",
     "SafepadGenerate",
     "SafepadPrepareInputs",
-    "SafepadQuietGenerate",
     "cache_post_hook",
     "cache_argument",
     "cache_from_kwargs",
+    "forget_read",
     "fresh_cache_is_recurrent_only",
     "needs_token_count",
     "new_tracked_cache",
@@ -119,11 +119,6 @@ def _check_cache(cache, layer_idx: int) -> None:
             f"safepad expected a transformers Cache with recurrent layers (DynamicCache(config=...)), got "
             f"{type(cache).__name__}"
         )
-    if hasattr(cache, "is_recording_past") and cache.is_recording_past(layer_idx):
-        raise ValueError(
-            "the cache records past states for rollback (assisted / speculative generation); safepad-wrapped "
-            "recurrent layers do not support cache cropping yet: unwrap the model for assisted generation"
-        )
 
 
 def read_states(cache, layer_idx: int, state_idx: int = 0, *, conv: bool = True, recurrent: bool = True) -> CachedStates:
@@ -134,23 +129,87 @@ def read_states(cache, layer_idx: int, state_idx: int = 0, *, conv: bool = True,
     c = cache.get_conv_state(layer_idx, state_idx=state_idx) if conv else None
     r = cache.get_recurrent_state(layer_idx, state_idx=state_idx) if recurrent else None
     layer = cache.layers[layer_idx]
+    if c is not None and _recording(cache, layer_idx):  # the conv history (write_states): its last K columns
+        c = _last_columns(c, layer.conv_kernel_size[state_idx])
     has_prev = bool(getattr(layer, "has_previous_state", {}).get(state_idx, c is not None))
     if not has_prev:
         return CachedStates(None, None)
     return CachedStates(c, r)
 
 
+def _recording(cache, layer_idx: int) -> bool:
+    """Whether the cache layer keeps its past conv inputs for ``crop`` (assisted / speculative generation)."""
+    return bool(hasattr(cache, "is_recording_past") and cache.is_recording_past(layer_idx))
+
+
+def _last_columns(conv: Tensor, k: int) -> Tensor:
+    """``conv`` ``[B, D, W]`` -> its last ``k`` columns ``[B, D, k]`` (zeros on the left where ``W < k``)."""
+    if conv.shape[-1] >= k:
+        return conv[..., conv.shape[-1] - k :]
+    return torch.nn.functional.pad(conv, (k - conv.shape[-1], 0))
+
+
+def _right_justified(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` ``[B, D, W]`` with each row's kept columns (``keep`` ``[B, W]`` bool) moved right in order, zeros left."""
+    order = torch.sort(keep.to(torch.int8), dim=1, stable=True).indices  # [B, W]: dropped first, kept in order
+    kept = torch.gather(keep, 1, order)  # [B, W]
+    out = torch.gather(x, 2, order[:, None, :].expand(x.shape[0], x.shape[1], -1).to(x.device))
+    return out * kept[:, None, :].to(device=x.device, dtype=x.dtype)
+
+
+def _record_conv_history(cache, layer_idx: int, state_idx: int, conv: Tensor, inputs: Tensor, token_mask) -> None:
+    """A cache layer that records its past (``activate_past_recording``, set by assisted generation) keeps every conv
+    input since its last ``crop``, so that ``crop(-n)`` (its columns ``[-n-K : -n]``) is the state before the last
+    ``n`` tokens. Each row's real inputs are kept right-justified (pads dropped): ``crop`` removes real tokens (the
+    rejected candidates), and the last K columns are the row's state whatever the pads. ``inputs`` ``[B, T, D]``."""
+    layer = cache.layers[layer_idx]
+    k = int(conv.shape[-1])
+    B, T, D = inputs.shape
+    new = inputs.transpose(1, 2).to(conv.dtype)  # [B, D, T]
+    if not layer.has_previous_state[state_idx] or layer.conv_states[state_idx] is None:
+        layer.lazy_initialization(conv_states=conv, state_idx=state_idx, conv_kernel_size=k)
+        prev = new.new_zeros(B, D, k)  # no left context: the causal conv's zeros
+    else:
+        prev = layer.conv_states[state_idx].to(new.dtype)
+    full = torch.cat([prev, new], dim=-1)  # [B, D, W + T]
+    if token_mask is not None:
+        keep = torch.cat([torch.ones(B, prev.shape[-1], dtype=torch.bool, device=token_mask.device),
+                          token_mask.to(torch.bool)], dim=1)  # fmt: skip
+        full = _right_justified(full, keep)
+    layer.conv_kernel_size[state_idx] = k
+    layer.conv_states[state_idx] = full
+    layer.has_previous_state[state_idx] = True
+
+
 def write_states(
-    cache, layer_idx: int, *, conv: Tensor | None = None, recurrent: Tensor | None = None, state_idx: int = 0
+    cache,
+    layer_idx: int,
+    *,
+    conv: Tensor | None = None,
+    recurrent: Tensor | None = None,
+    state_idx: int = 0,
+    inputs: Tensor | None = None,
+    token_mask: Tensor | None = None,
 ) -> None:
     """Store the layer's new states, replacing the old ones.
 
     ``conv`` ``[B, D, K]`` must hold exactly the cache's K columns (the last K real inputs, oldest first);
     transformers' ``update_conv_state`` then stores it as is on prefill and, on a continuation, keeps the last
-    K columns of ``[old ‖ conv]``, which is ``conv`` itself.
+    K columns of ``[old ‖ conv]``, which is ``conv`` itself. A layer that records its past for ``crop`` (assisted
+    generation) keeps the chunk's conv ``inputs`` ``[B, T, D]`` instead (``token_mask`` ``[B, T]``: the real ones);
+    a mixer that does not hand them raises there.
     """
     if cache is None:
         return
+    if conv is not None and _recording(cache, layer_idx):
+        if inputs is None:
+            raise ValueError(
+                "the cache records past states for rollback (assisted / speculative generation), and this "
+                "safepad-wrapped mixer cannot roll its states back: generate without an assistant model or "
+                "prompt_lookup_num_tokens"
+            )
+        _record_conv_history(cache, layer_idx, state_idx, conv, inputs, token_mask)
+        conv = None
     if conv is not None:
         cache.update_conv_state(conv, layer_idx, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
     if recurrent is not None:
@@ -419,34 +478,99 @@ def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
     return None
 
 
-#: a recurrent-only cache that a wrapped ``generate`` ran (and that nobody counts, :func:`needs_token_count`
-#: False) -> ``(tokens it has read, fingerprint of its states then)``; beside the cache, never on it, so the
-#: cache keeps its class and a compiled forward sees no Python int
-_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: inside a wrapped ``generate``: ``id(cache) -> [cache, tokens read so far | None (unknown)]``
+#: what a cache has read, kept on the cache itself (so ``copy.deepcopy``, pickling and ``reset`` carry it): set by a
+#: wrapped ``generate`` when it returns, as ``(tokens read, the ids read [B, n] | None, versions of its states)``.
+#: Outside a forward only, so a compiled forward never reads it.
+_RECORD_ATTR = "_safepad_read"
+#: inside a wrapped ``generate``: ``id(cache) -> [cache, tokens read so far | None (unknown / counted by the
+#: cache), the last full input_ids prepare_inputs_for_generation saw | None]``
 _GEN_COUNTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("safepad_generate_counts", default=None)
 
 
-def _state_fingerprint(cache: Any) -> tuple:
-    """``(id, version)`` of every state tensor of ``cache``: it changes whenever a forward writes a state."""
+def _state_versions(cache: Any) -> tuple:
+    """The version counter of every state tensor of ``cache``: it grows whenever a forward writes a state in place."""
     out = []
     for layer in getattr(cache, "layers", ()):
         for attr in ("conv_states", "recurrent_states"):
             states = getattr(layer, attr, None)
             values = states.values() if isinstance(states, dict) else (states or ())
-            out.extend((id(t), t._version) for t in values if isinstance(t, Tensor))
+            out.extend(t._version for t in values if isinstance(t, Tensor))
     return tuple(out)
 
 
+def _record(cache: Any) -> tuple[int, Tensor | None] | None:
+    """``(tokens read, ids read)`` that the last wrapped ``generate`` left on ``cache``, while its states are the ones
+    it left: the same version counters, or all 0 (a copy: ``copy.deepcopy``, a pickle, a reorder). ``None`` else."""
+    rec = cache.__dict__.get(_RECORD_ATTR) if hasattr(cache, "__dict__") else None
+    if rec is None:
+        return None
+    n, ids, versions = rec
+    now = _state_versions(cache)
+    if now != versions and any(v > 1 for v in now):  # a copy's tensors count 0 or 1 (deepcopy's set_)
+        return None
+    return n, ids
+
+
+def forget_read(cache: Any) -> None:
+    """An eager wrapped forward outside a wrapped ``generate`` is about to read ``cache``: what the last ``generate``
+    left on it (``_record``) no longer says what it has read."""
+    if cache is not None and _GEN_COUNTS.get() is None and _RECORD_ATTR in getattr(cache, "__dict__", {}):
+        del cache.__dict__[_RECORD_ATTR]
+
+
 def _tokens_read(cache: Any) -> int | None:
-    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state, the count a wrapped
-    ``generate`` left when its states are unchanged since, ``None`` (unknown) otherwise."""
+    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state (new, or ``reset()``), the
+    count a wrapped ``generate`` left when its states are those it left, ``None`` (unknown) otherwise."""
     if not _holds_states(cache):
         return 0
-    known = _READ.get(cache)
-    if known is not None and known[1] == _state_fingerprint(cache):
-        return known[0]
-    return None
+    rec = _record(cache)
+    return None if rec is None else rec[0]
+
+
+def _counted_length(cache: Any) -> int | None:
+    """Tokens a cache that can count them (an attention layer, or safepad's count) says it holds; None if it cannot."""
+    try:
+        return int(cache.get_seq_length())
+    except (ValueError, AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _check_continuation(model: Any, cache: Any, seq: Tensor, read: int) -> None:
+    """The first forward of a ``generate`` handed a cache that has read ``read`` tokens and the full sequence
+    ``seq`` ``[B, L]`` (``input_ids``, or ``inputs_embeds`` ``[B, L, D]``): the cache must hold a prefix of it.
+
+    A cache is advanced in place by every call that reads it, so a second continuation from the same object (or a
+    ``StaticCache`` reused for a new prompt without ``reset()``) would go on from states of other tokens, silently
+    (stock transformers slices the sequence by the cache's length, or feeds it whole on top of the old states).
+    """
+    name = f"{type(model).__name__}.generate"
+    fix = (
+        "To continue twice from one point, pass copy.deepcopy(cache) to each continuation (a cache is advanced in "
+        "place by every call that reads it); to start a new sequence, pass a new cache or call cache.reset() first."
+    )
+    L = int(seq.shape[1])
+    if read >= L:
+        raise ValueError(
+            f"{name}: the cache has already read {read} tokens but the input sequence holds {L}, so its states are not "
+            "those of a prefix of this sequence (a later generate() or forward continued from the same cache object, "
+            f"or it served another prompt). {fix}"
+        )
+    rec = _record(cache)
+    if rec is None or rec[0] != read or not isinstance(rec[1], Tensor) or seq.dim() != 2:
+        return
+    ids = rec[1]
+    if tuple(ids.shape) != (seq.shape[0], read):
+        return
+    if not torch.equal(ids.to(seq.device), seq[:, :read]):
+        raise ValueError(
+            f"{name}: the cache holds the states of another sequence: the first {read} tokens it has read differ from "
+            f"those of input_ids. {fix}"
+        )
+
+
+def _note_ids(entry: list, input_ids: Any) -> None:
+    if isinstance(input_ids, Tensor) and input_ids.dim() == 2:
+        entry[2] = input_ids
 
 
 def _length_of(inputs: dict) -> int:
@@ -475,6 +599,19 @@ def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
         )
 
 
+def _padding_mask_for_recurrent_only(cache: Any, inputs: dict) -> None:
+    """A cache with no attention layer is compileable, so ``generate`` hands the model per-layer-type masks it built
+    (a dict) instead of the 2-D padding mask. No attention layer reads them; the recurrent layers' entry is the 2-D
+    mask ``[B, L]`` itself: pass that, so the wrapped model sees the padding (a right-padded prompt's rows are then
+    re-laid as in any cached call, and generate reads each row's last real token)."""
+    built = inputs.get("attention_mask")
+    if cache is None or not isinstance(built, dict) or not recurrent_only(cache):
+        return
+    two_d = next((m for m in built.values() if isinstance(m, Tensor) and m.dim() == 2), None)
+    if two_d is not None:
+        inputs["attention_mask"] = two_d
+
+
 class SafepadPrepareInputs:
     """``model.prepare_inputs_for_generation`` of a wrapped model whose fresh cache has no attention layer.
 
@@ -501,34 +638,45 @@ class SafepadPrepareInputs:
         model = self.model
         counts = _GEN_COUNTS.get()
         _, cache = cache_from_kwargs(kwargs)
+        first = bool(kwargs.get("is_first_iteration"))
+        seq = kwargs.get("inputs_embeds") if first else None
+        seq = seq if isinstance(seq, Tensor) else input_ids
+        mask = kwargs.get("attention_mask")
+        # the whole sequence (not only the new tokens with the full mask, which stock also accepts)
+        full = isinstance(seq, Tensor) and (mask is None or (isinstance(mask, Tensor) and mask.shape[-1] == seq.shape[1]))
         untracked = (
             counts is not None and cache is not None and not isinstance(cache, _TracksSeqLength) and recurrent_only(cache)
         )
         if not untracked:
+            if first and full and cache is not None and kwargs.get("next_sequence_length") is not None:
+                read = _counted_length(cache) if _holds_states(cache) or not recurrent_only(cache) else None
+                if read:  # generate slices the sequence by this count
+                    _check_continuation(model, cache, seq, read)
+            if counts is not None and cache is not None:
+                _note_ids(counts.setdefault(id(cache), [cache, None, None]), input_ids)
             inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
-            if kwargs.get("is_first_iteration"):
+            _padding_mask_for_recurrent_only(cache, inputs)
+            if first:
                 _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
             return inputs
-        entry = counts.setdefault(id(cache), [cache, _tokens_read(cache)])
+        entry = counts.setdefault(id(cache), [cache, _tokens_read(cache), None])
         read, drop = entry[1], 0
-        seq = kwargs.get("inputs_embeds") if kwargs.get("is_first_iteration") else None
-        seq = seq if isinstance(seq, Tensor) else input_ids
-        mask = kwargs.get("attention_mask")
-        full = isinstance(seq, Tensor) and (mask is None or (isinstance(mask, Tensor) and mask.shape[-1] == seq.shape[1]))
-        if kwargs.get("is_first_iteration") and kwargs.get("next_sequence_length") is None and full and _holds_states(cache):
+        if first and kwargs.get("next_sequence_length") is None and full and _holds_states(cache):
             if read is None:
                 raise ValueError(
                     f"{type(model).__name__}.generate: the cache holds recurrent states that no wrapped generate() "
                     "left as they are (a plain forward, an unwrapped model or a later call wrote them), so safepad "
                     "cannot tell which of the input tokens it has already read, and reading them again would be "
                     "wrong. Pass the cache the wrapped model's last generate(return_dict_in_generate=True) returned, "
-                    "together with its full sequences; or call the model's forward with only the new tokens."
+                    "together with its full sequences (copy.deepcopy(cache) first to continue twice from it); or call "
+                    "the model's forward with only the new tokens."
                 )
-            if seq.shape[1] > read:
-                drop = read
-                kwargs["next_sequence_length"] = int(seq.shape[1]) - read
+            _check_continuation(model, cache, seq, read)
+            drop = read
+            kwargs["next_sequence_length"] = int(seq.shape[1]) - read
+        _note_ids(entry, input_ids)
         inputs = type(model).prepare_inputs_for_generation(model, input_ids, *args, **kwargs)
-        if kwargs.get("is_first_iteration"):
+        if first:
             _refuse_built_mask_on_right_pads(model, kwargs.get("attention_mask"), inputs.get("attention_mask"))
         if drop:
             m = inputs.get("attention_mask")
@@ -595,17 +743,22 @@ class SafepadGenerate:
         try:
             out = type(model).generate(model, *args, **kwargs)
         except BaseException:
-            for cache, _ in counts.values():  # states written part of the way: unknown from here on
-                _READ.pop(cache, None)
+            for cache, *_ in counts.values():  # states written part of the way: unknown from here on
+                rec = cache.__dict__.get(_RECORD_ATTR)
+                if rec is not None and rec[2] != _state_versions(cache):
+                    del cache.__dict__[_RECORD_ATTR]
             raise
         finally:
             _IN_WRAPPED_GENERATE.reset(quiet)
             _GEN_COUNTS.reset(token)
-        for cache, read in counts.values():  # SafepadPrepareInputs counted the tokens each forward fed
+        for cache, read, ids in counts.values():  # what each cache has read, kept on the cache (_record)
+            if read is None and (isinstance(cache, _TracksSeqLength) or not recurrent_only(cache)):
+                read = _counted_length(cache)
             if read is None:
-                _READ.pop(cache, None)
-            else:
-                _READ[cache] = (read, _state_fingerprint(cache))
+                cache.__dict__.pop(_RECORD_ATTR, None)
+                continue
+            ids = ids[:, :read] if isinstance(ids, Tensor) and ids.shape[1] >= read else None
+            cache.__dict__[_RECORD_ATTR] = (read, ids, _state_versions(cache))
         return out
 
     @staticmethod
@@ -615,14 +768,3 @@ class SafepadGenerate:
         implementation = kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None))
         return bool(use_cache) and implementation is None and fresh_cache_is_recurrent_only(model.config)
 
-
-class SafepadQuietGenerate(SafepadGenerate):
-    """``model.generate`` of a wrapped model whose cache tracks its own length (a hybrid with attention layers):
-    the class's own ``generate``, with only transformers' right-padding warning silenced for the call."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        quiet = _quiet_right_padding_warning()
-        try:
-            return type(self.model).generate(self.model, *args, **kwargs)
-        finally:
-            _IN_WRAPPED_GENERATE.reset(quiet)

@@ -31,6 +31,7 @@ import logging
 import torch
 from torch import Tensor
 
+from .._tracing import tracing
 from ..cache import read_states, write_states
 from ..context import context_padding_mask
 from ..ops.conv import causal_conv1d, causal_conv1d_step
@@ -61,6 +62,28 @@ def _check_cache_layer(cache, idx: int) -> None:
             f"the cache passed to the wrapped recurrent block of layer {idx} has no recurrent layer there "
             f"({type(cache).__name__}); pass DynamicCache(config=model.config) (what generate() builds), whose "
             "recurrent layers hold the per-row RG-LRU and conv states"
+        )
+
+
+def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask: Tensor | None) -> None:
+    """A cached call whose ``position_ids`` ``[B, T]`` continue a sequence (a row's first real token past 0) on a
+    cache that holds no state for this block: the stock forward returns no cache and builds a new one on every call
+    without one, so the tokens before are gone. Raise naming the fix instead of starting a new sequence."""
+    if tracing() or not isinstance(position_ids, Tensor) or position_ids.dim() != 2:
+        return
+    pos = position_ids
+    if isinstance(mask, Tensor) and tuple(mask.shape) == tuple(pos.shape):
+        pos = pos.masked_fill(~mask.to(torch.bool), torch.iinfo(pos.dtype).max)  # pads do not count
+    first = pos.amin(dim=1)  # [B]: each row's first real position
+    first = first[first < torch.iinfo(pos.dtype).max]  # rows with a real token
+    if first.numel() and bool((first > 0).any()):
+        raise ValueError(
+            f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
+            f"{int(first.max())}), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
+            "returns no cache and starts a new one on every call that is handed none, so the earlier tokens' states "
+            "are gone. Build cache = DynamicCache(config=model.config) and pass it (cache= in transformers 5.24, "
+            "past_key_values= in 5.23) to the prefill and to every later call, or use generate(); to start a new "
+            "sequence, give position_ids that start at 0."
         )
 
 
@@ -109,6 +132,8 @@ def rg_lru_block_forward(
               lru.recurrent_param)
     c = float(opts.get("c", 8.0))
     past = read_states(cache, idx) if cache is not None else read_states(None, 0)
+    if cache is not None and not past.has_previous:
+        _refuse_continuation_without_states(self, position_ids, mask2d)
 
     if past.has_previous and T == 1:
         u, conv_new = causal_conv1d_step(x_branch[:, 0], past.conv, weight, conv.bias, backend=backend)  # [B, W]

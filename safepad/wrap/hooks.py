@@ -27,10 +27,10 @@ from ..cache import (
     CachePreHook,
     SafepadGenerate,
     SafepadPrepareInputs,
-    SafepadQuietGenerate,
     cache_argument,
     cache_from_kwargs,
     cache_post_hook,
+    forget_read,
     fresh_cache_is_recurrent_only,
     needs_token_count,
 )
@@ -103,12 +103,10 @@ def install_model_hooks(model: nn.Module) -> None:
             )
             cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
             target._safepad_hook_handles += [cache_pre, cache_post]
+        # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read; and for
+        # every cache, keep on it what it has read, so a reused one raises instead of continuing from other tokens
         if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
-            if fresh_cache_is_recurrent_only(getattr(target, "config", None)):
-                # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read
-                target.generate = SafepadGenerate(target, track=recurrent)
-            else:  # only silences transformers' right-padding advice, which safepad makes wrong
-                target.generate = SafepadQuietGenerate(target)
+            target.generate = SafepadGenerate(target, track=recurrent)
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
@@ -161,6 +159,7 @@ class _ModelPreHook:
         if tracing():
             return self._traced_call(module, args, kwargs, B, T, ids)
         check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
+        forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
         args, kwargs = slot_justify(module, info, args, kwargs, B, T)

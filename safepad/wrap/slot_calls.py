@@ -145,6 +145,14 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     else:
         uncached_holes = False
     if mask.shape[1] != past_len + T:
+        if cache is None and mask.shape[1] > T:
+            raise ValueError(
+                f"{type(module).__name__}: attention_mask has {mask.shape[1]} columns but the call brings {T} tokens "
+                "and no cache: a mask longer than the call's tokens continues the tokens a cache has read. Pass the "
+                "cache the earlier calls filled (the output's cache; a model whose output carries none, such as "
+                "RecurrentGemma, needs cache = DynamicCache(config=model.config) handed to its prefill and every later "
+                f"call); to start a new sequence instead, pass a mask of the call's {T} columns."
+            )
         if flagged or not bool(m.all()):
             raise ValueError(
                 f"{type(module).__name__}: attention_mask has {mask.shape[1]} columns but the cache holds {past_len} "

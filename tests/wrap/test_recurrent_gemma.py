@@ -286,3 +286,43 @@ def test_cached_beam_search_on_one_unpadded_prompt_equals_the_cache_free_search(
     bad = stock.generate(input_ids=prompt, **kw)
     assert not torch.equal(bad.sequences, ref.sequences)
     assert (bad.sequences_scores - ref.sequences_scores).abs().max() > 1e-2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("split", [pytest.param(8, id="chunk"), pytest.param(11, id="token")])
+@pytest.mark.parametrize("side", ["unpadded", "right", "left"])
+def test_a_continuation_without_the_cache_raises_naming_it(models, split, side):
+    """The stock model returns no cache and builds a new one on every call handed none: a prefill with use_cache,
+    then the next chunk / token with its position_ids (or the full mask) and no cache, has lost the earlier states
+    (stock and the old wrapped model answered off by ~2 against the sequence alone). Wrapped it raises naming the
+    cache to build; handing that cache to every call equals each row alone."""
+    from transformers import DynamicCache
+
+    stock, wrapped = models
+    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if side != "unpadded":  # row 1 holds 9 real tokens
+        mask[1] = torch.arange(12) < 9 if side == "right" else torch.arange(12) >= 3
+        ids = ids * mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    kw = {} if side == "unpadded" else {"attention_mask": mask[:, :split]}
+    wrapped(input_ids=ids[:, :split], position_ids=pos[:, :split], use_cache=True, **kw)
+    nxt = {"input_ids": ids[:, split:], "position_ids": pos[:, split:], "use_cache": True}
+    calls = [nxt]
+    if side != "unpadded":  # with the full mask, and with the chunk's own columns (an old message's advice)
+        calls += [{**nxt, "attention_mask": mask}, {**nxt, "attention_mask": mask[:, split:]}]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"DynamicCache\(config=model\.config\)"):
+            wrapped(**call)
+    cache = DynamicCache(config=wrapped.config)
+    kw = {} if side == "unpadded" else {"attention_mask": mask[:, :split]}
+    wrapped(input_ids=ids[:, :split], position_ids=pos[:, :split], use_cache=True, **_cache_kw(wrapped, cache), **kw)
+    kw = {} if side == "unpadded" else {"attention_mask": mask}
+    got = wrapped(**nxt, **_cache_kw(wrapped, cache), **kw).logits
+    for r in range(2):
+        real = ids[r][mask[r].bool()]
+        alone = stock(input_ids=real[None], use_cache=False).logits[0]
+        m = mask[r, split:].bool()
+        n_before = int(mask[r, :split].sum())
+        if bool(m.any()):  # (a right-padded row may bring only pads)
+            assert (got[r][m] - alone[n_before : n_before + int(m.sum())]).abs().max() < 1e-4
