@@ -15,6 +15,12 @@ Cost: no second packed forward. A forward hook on the model keeps the packed log
 leak may reach only some micro-batches); the alone forwards (``L`` tokens each, one per micro-batch) run at
 ``on_pre_optimizer_step``, after backward and before the weights change. Memory: one ``[L, V]`` per micro-batch.
 
+A forward that returns no logits (TRL's fused LM head, which ``SFTTrainer``, ``GRPOTrainer`` and ``DPOTrainer``
+add to the model and call with ``fused_lm_head=True``) is checked on its backbone's last hidden state instead: a
+second forward hook on the backbone (``model.base_model``) keeps the chosen sequence's ``[L, H]`` hidden states,
+and both sides, packed and alone, go through the LM head weight (``hidden @ W.T (+ b)`` in float32, before any
+family-specific logit scaling, softcapping or temperature, which act the same on both sides).
+
 Which sequence: the sequences after a packed boundary (or every sequence when no row holds several), in row
 order, are visited in rotation: check ``k`` of micro-batch ``m`` takes candidate ``(seed + k + m) mod n``. With a
 steady batch layout, every sequence slot of the row (the last one included) is checked within ``n`` checks.
@@ -99,11 +105,12 @@ class _Capture:
     segment: Segment
     input_ids: Tensor  # [L]
     labels: Tensor | None  # [L] (the row's labels over the sequence) or None
-    logits: Tensor  # [L, V] packed forward, in the logits' dtype (made float32 at the comparison)
+    logits: Tensor  # [L, V] packed forward in the logits' dtype, or [L, H] hidden states (``hidden``)
     autocast: tuple[str, torch.dtype] | None
     dtype: torch.dtype
     n_candidates: int = 0  #: sequences it was drawn from
     micro_batch: int = 0  #: index of the training forward in the step
+    hidden: bool = False  #: ``logits`` holds the backbone's last hidden states (a forward without logits)
 
 
 def _dropout_sources(model: nn.Module) -> list[str]:
@@ -154,6 +161,37 @@ def _is_fsdp2(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _core(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _backbone(model: nn.Module) -> nn.Module | None:
+    """The backbone whose ``last_hidden_state`` the LM head reads (``model.base_model``), or None."""
+    core = _core(model)
+    backbone = getattr(core, "base_model", None)
+    return backbone if isinstance(backbone, nn.Module) and backbone is not core else None
+
+
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    """The LM head (``get_output_embeddings``) when it holds a ``[V, H]`` weight, else None."""
+    get = getattr(_core(model), "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return head if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+def _lm_head_weight(model: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The LM head's ``[V, H]`` weight and ``[V]`` bias (or None) in float32, gathered when sharded."""
+    head = _lm_head(model)
+    if head is None:
+        raise ValueError("ShadowCheckCallback: the model has no LM head (get_output_embeddings) with a weight")
+    weight, bias = head.weight, getattr(head, "bias", None)
+    full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (weight, bias) if isinstance(t, Tensor)]
+    return full[0].detach().float(), (full[1].detach().float() if len(full) > 1 else None)
 
 
 def _dist() -> Any:
@@ -207,6 +245,9 @@ class ShadowCheckCallback(TrainerCallback):
         self.results: list[ShadowResult] = []
         self._model: nn.Module | None = None
         self._hook: Any = None
+        self._backbone_hook: Any = None
+        self._hidden: Tensor | None = None  #: [B, T, H] last hidden states of the backbone's latest forward
+        self._record_hidden = False
         self._armed = False
         self._captures: list[_Capture] = []
         self._forwards = 0  #: training forwards seen in the current checked step
@@ -249,6 +290,9 @@ class ShadowCheckCallback(TrainerCallback):
             torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
         )
         self._hook = module.register_forward_hook(self._on_forward, with_kwargs=True)
+        backbone = _backbone(module)
+        if backbone is not None:
+            self._backbone_hook = backbone.register_forward_hook(self._on_backbone)
         self._watch_collator(train_dataloader, getattr(trainer, "train_dataset", None))
         if trainer is not None:  # run our on_log before the reporting integrations'
             callbacks = trainer.callback_handler.callbacks
@@ -317,6 +361,9 @@ class ShadowCheckCallback(TrainerCallback):
     def _teardown(self) -> None:
         if self._hook is not None:
             self._hook.remove()
+        if self._backbone_hook is not None:
+            self._backbone_hook.remove()
+        self._backbone_hook, self._hidden, self._record_hidden = None, None, False
         if self._patched_loader is not None:
             self._patched_loader.collate_fn = self._orig_collate
         if self._patched_dataset is not None:
@@ -335,6 +382,17 @@ class ShadowCheckCallback(TrainerCallback):
         self._captures, self._forwards = [], 0
 
     @torch._dynamo.disable
+    def _on_backbone(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Keep the backbone's ``[B, T, H]`` last hidden states of a checked step's training forward (or of the
+        shadow run): a forward without logits (TRL's fused LM head) is checked on them."""
+        if not (self._record_hidden or (self._armed and module.training and torch.is_grad_enabled())):
+            return
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+            hidden = output[0]
+        self._hidden = hidden.detach() if isinstance(hidden, Tensor) and hidden.dim() == 3 else None
+
+    @torch._dynamo.disable
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._armed or not module.training or not torch.is_grad_enabled():
             return
@@ -349,13 +407,19 @@ class ShadowCheckCallback(TrainerCallback):
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, Mapping):
             logits = output.get("logits")
+        hidden, self._hidden = self._hidden, None
+        use_hidden = False
         if not isinstance(logits, Tensor) or tuple(logits.shape[:2]) != tuple(ids.shape):
-            got = "no logits" if not isinstance(logits, Tensor) else f"logits of shape {tuple(logits.shape)}"
-            raise ValueError(
-                f"ShadowCheckCallback: the packed forward returned {got} for input_ids {tuple(ids.shape)}; the shadow "
-                "check compares every position's logits. Keep the full logits (logits_to_keep=0, no fused "
-                "linear-cross-entropy kernel) or remove the callback."
-            )
+            use_hidden = isinstance(hidden, Tensor) and tuple(hidden.shape[:2]) == tuple(ids.shape)
+            if not use_hidden or _lm_head(module) is None:
+                got = "no logits" if not isinstance(logits, Tensor) else f"logits of shape {tuple(logits.shape)}"
+                raise ValueError(
+                    f"ShadowCheckCallback: the packed forward returned {got} for input_ids {tuple(ids.shape)}, and "
+                    "no [B, T, H] hidden states of its backbone (model.base_model) with an LM head "
+                    "(get_output_embeddings) to compute them from; the shadow check compares every position's "
+                    "logits. Keep the full logits (logits_to_keep=0, no fused linear-cross-entropy kernel) or "
+                    "remove the callback."
+                )
         B, T = ids.shape
         cpu_ids = ids.detach().cpu()
         extra = next(
@@ -383,11 +447,12 @@ class ShadowCheckCallback(TrainerCallback):
                 segment=seg,
                 input_ids=ids[seg.row, seg.start : seg.end].detach().clone(),
                 labels=None if lab is None else lab[seg.row, seg.start : seg.end].clone(),
-                logits=logits[seg.row, seg.start : seg.end].detach().clone(),
+                logits=(hidden if use_hidden else logits)[seg.row, seg.start : seg.end].detach().clone(),
                 autocast=amp,
                 dtype=_training_dtype(module, amp, self._amp_dtype),
                 n_candidates=len(pool),
                 micro_batch=micro_batch,
+                hidden=use_hidden,
             )
         )
 
@@ -447,6 +512,7 @@ class ShadowCheckCallback(TrainerCallback):
         device = cap.input_ids.device
         amp = torch.autocast(cap.autocast[0], dtype=cap.autocast[1]) if cap.autocast else contextlib.nullcontext()
         rng_devices = [device] if device.type == "cuda" else []
+        self._hidden, self._record_hidden = None, cap.hidden
         try:
             model.eval()
             with torch.random.fork_rng(devices=rng_devices), amp:
@@ -454,8 +520,18 @@ class ShadowCheckCallback(TrainerCallback):
         finally:
             for m, training in flags:
                 m.training = training
-        alone = out.logits[0].float()  # [L, V]
-        packed = cap.logits.float()  # [L, V]
+            hidden, self._hidden, self._record_hidden = self._hidden, None, False
+        if cap.hidden:  # both sides through the LM head weight: [L, H] -> [L, V]
+            if not isinstance(hidden, Tensor) or tuple(hidden.shape[:2]) != (1, cap.segment.length):
+                raise ValueError(
+                    "ShadowCheckCallback: the alone forward of the checked sequence did not run the backbone "
+                    f"(model.base_model) on its {cap.segment.length} tokens; cannot compare hidden states"
+                )
+            weight, bias = _lm_head_weight(model)
+            alone, packed = (F.linear(h.float(), weight, bias) for h in (hidden[0], cap.logits))
+        else:
+            alone = out.logits[0].float()  # [L, V]
+            packed = cap.logits.float()  # [L, V]
         if not bool(torch.isfinite(packed).all()):
             logger.warning(
                 "shadow check, step %d: the packed forward's logits are not finite (the run diverged?); a packing "
