@@ -219,8 +219,10 @@ class ShadowCheckCallback(TrainerCallback):
     and ``safepad/shadow_checked_tokens`` (sum) to the Trainer's logs. The callback moves itself to the front
     of the Trainer's callbacks so that the reporting integrations (W&B, TensorBoard) see these keys.
 
-    Needs: input_ids (no inputs_embeds), full-length logits from the packed forward (``logits_to_keep=0``, no
-    fused-loss kernel), and a deterministic training forward (dropout 0); each is checked with a clear error.
+    Needs: input_ids (no inputs_embeds), full-length logits from the packed forward (``logits_to_keep=0``) or,
+    when it returns none (TRL's fused LM head in ``SFTTrainer`` / ``GRPOTrainer`` / ``DPOTrainer``), the
+    ``[B, T, H]`` last hidden states of its backbone (``model.base_model``) and an LM head weight, and a
+    deterministic training forward (dropout 0); each is checked with a clear error.
     ``safepad.distributed`` sequence parallelism is refused (each rank sees a shard of the sequence).
     """
 
