@@ -212,9 +212,13 @@ def test_dropout_is_refused(tmp_path):
 
 
 def test_truncated_logits_are_refused(tmp_path):
+    """Truncated logits and no backbone hidden states to compute them from (a model with a backbone is checked on
+    its hidden states instead: TRL's fused LM head, tests/trainer_ext/test_trl.py)."""
     collator = Dropping("labels", extra={"logits_to_keep": 1})  # (with labels the model's own loss fails first)
+    model = wrapped()
+    model.base_model_prefix = ""  # model.base_model is the model itself: no backbone to read
     with pytest.raises(ValueError, match=r"logits of shape \(1, 1, 256\).*logits_to_keep=0"):
-        train(tmp_path, wrapped(), collator, [ShadowCheckCallback()], steps=1)
+        train(tmp_path, model, collator, [ShadowCheckCallback()], steps=1)
 
 
 def test_sequence_parallel_is_refused(tmp_path):
