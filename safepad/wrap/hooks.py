@@ -169,7 +169,7 @@ class _ModelPreHook:
             return None
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
-            return self._traced_call(module, args, kwargs, B, T, ids)
+            return self._traced_call(module, args, kwargs, B, T, ids, real)
         check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
@@ -214,7 +214,7 @@ class _ModelPreHook:
         module._safepad_tokens.append(token)
         return args, kwargs
 
-    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor):
+    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor, real=None):
         """The pre-hook while dynamo traces the call: every decision from what is static, checks on the device.
 
         * given boundaries (``seq_idx`` / ``cu_seq_lens_*``, or 2-D ``position_ids`` without a 2-D mask) run the
@@ -229,7 +229,6 @@ class _ModelPreHook:
         """
         info = self.info
         params = info["params"]
-        real = kwargs.pop(REAL_TOKEN_MASK, None)
         if not any(isinstance(kwargs.get(k), torch.Tensor) for k in BOUNDARY_INPUTS):
             check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
         check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced

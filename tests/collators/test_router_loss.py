@@ -107,3 +107,15 @@ def test_bad_real_token_mask_is_refused():
     batch["real_token_mask"] = batch["real_token_mask"][:, :-1]
     with pytest.raises(ValueError, match=r"real_token_mask must be a \[batch, seqlen\]"):
         model(**batch)
+
+
+def test_pad_tail_stays_out_of_the_router_loss_compiled():
+    """``torch.compile(model)`` with fixed-length rows (docs/compile.md): the traced hook hands the mask too."""
+    family = "jamba"
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 200, (n,), generator=g) for n in LENGTHS]
+    batch = DataCollatorForPackedSSM(pad_to_length=40)([{"input_ids": s.tolist()} for s in seqs])
+    ref_aux, _ = _reference(family, seqs)
+    compiled = torch.compile(safepad.wrap(_model(family)), backend="eager")
+    out = compiled(**batch)
+    assert torch.allclose(out.aux_loss.detach(), ref_aux, rtol=1e-5, atol=1e-7), (float(out.aux_loss), float(ref_aux))
