@@ -51,7 +51,9 @@ PER_TOKEN_KEYS: frozenset[str] = frozenset(
 # Keys the collator consumes itself: they describe the layout and are replaced by its own outputs.
 _LAYOUT_KEYS = frozenset({"input_ids", "labels", "seq_lengths", "position_ids", "attention_mask"})
 # Keys the collator produces: a feature must not carry them (they would be ambiguous).
-_OUTPUT_KEYS = frozenset({"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+_OUTPUT_KEYS = frozenset(
+    {"seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "real_token_mask"}
+)
 
 
 @dataclass
@@ -161,10 +163,15 @@ class DataCollatorForPackedSSM:
         cu_seq_lens_q  [N + 1]  int32   == cu_seq_lens_k, cumulative lengths ending at T
                                         (pad_to_length: [max_sequences + 1], padded by repeating T)
         max_length_q   int              == max_length_k, longest sequence (pad_to_length: T)
+        real_token_mask [1, T]  int64   only with pad_to_multiple_of / pad_to_length: 1 on real tokens, 0 on the
+                                        pad tail (a wrapped MoE model keeps the tail out of its router loss)
         <per-token>    [1, T]           concatenated like input_ids, pad tail = 0
         <per-example>  [sum_i n_i, ...] concatenated along dim 0 in packing order
 
-    No ``attention_mask`` is returned.
+    No ``attention_mask`` is returned (attention reads the packed boundaries, and a 2-D mask would hide them from
+    transformers' packing detection). ``real_token_mask`` is consumed by a ``safepad.wrap``-ped model: MoE families
+    whose router load-balancing loss reads the ``attention_mask`` (Jamba, Qwen3-Next, GraniteMoeHybrid) get it there,
+    so the pad tail stays out of that loss as it stays out of the LM loss. An unwrapped model ignores it.
 
     Args:
         pad_to_multiple_of: pad ``T`` up to a multiple of this with ONE extra sequence (its own
@@ -473,10 +480,16 @@ class DataCollatorForPackedSSM:
             if value is not _ABSENT:
                 batch[k] = value
 
+        if self.pad_to_multiple_of or self.pad_to_length is not None:  # a fixed key set, pad or not
+            real_mask = np.ones(total, dtype=np.int64)  # [T]
+            real_mask[real:] = 0
+            batch["real_token_mask"] = real_mask[None]  # [1, T]
         if return_tensors == "pt":
             for k in ("input_ids", "labels", "position_ids", "seq_idx", "cu_seq_lens_q", *per_token):
                 batch[k] = torch.from_numpy(batch[k])
             batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
+            if "real_token_mask" in batch:
+                batch["real_token_mask"] = torch.from_numpy(batch["real_token_mask"])
         max_len = bucket if bucket is not None else int(lengths.max())
         batch["max_length_q"] = batch["max_length_k"] = max_len
 

@@ -10,16 +10,26 @@ per-token loss with the packed forward's values for that sequence::
     trainer = Trainer(model, args, train_dataset=packed, data_collator=safepad.DataCollatorForPackedSSM(),
                       callbacks=[safepad.ShadowCheckCallback(every_n_steps=100, mode="error")])
 
-Cost: no second packed forward. A forward hook on the model keeps the packed logits of the chosen sequence
-(``[L, V]``, float32) from the step's first micro-batch; the alone forward of ``L`` tokens runs at
-``on_pre_optimizer_step``, after backward and before the weights change.
+Cost: no second packed forward. A forward hook on the model keeps the packed logits of one chosen sequence
+(``[L, V]``, in the logits' dtype) from EVERY training micro-batch of a checked step (under gradient accumulation a
+leak may reach only some micro-batches); the alone forwards (``L`` tokens each, one per micro-batch) run at
+``on_pre_optimizer_step``, after backward and before the weights change. Memory: one ``[L, V]`` per micro-batch.
+
+A forward that returns no logits (TRL's fused LM head, which ``SFTTrainer``, ``GRPOTrainer`` and ``DPOTrainer``
+add to the model and call with ``fused_lm_head=True``) is checked on its backbone's last hidden state instead: a
+second forward hook on the backbone (``model.base_model``) keeps the chosen sequence's ``[L, H]`` hidden states,
+and both sides, packed and alone, go through the LM head weight (``hidden @ W.T (+ b)`` in float32, before any
+family-specific logit scaling, softcapping or temperature, which act the same on both sides).
+
+Which sequence: the sequences after a packed boundary (or every sequence when no row holds several), in row
+order, are visited in rotation: check ``k`` of micro-batch ``m`` takes candidate ``(seed + k + m) mod n``. With a
+steady batch layout, every sequence slot of the row (the last one included) is checked within ``n`` checks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import warnings
 from collections import deque
 from collections.abc import Mapping
@@ -76,9 +86,13 @@ class ShadowResult:
     tol: float
     flagged: bool = False
     remote: bool = False  #: the worst sequence was checked on another rank
+    micro_batch: int = 0  #: the training forward of the step it came from (gradient accumulation)
+    micro_batches: int = 1  #: training forwards checked at this step (the worst one is reported)
 
     def describe(self) -> str:
         where = "a sequence checked on another rank" if self.remote else self.segment.describe()
+        if not self.remote and self.micro_batches > 1:
+            where += f" of micro-batch {self.micro_batch} ({self.micro_batches} checked)"
         return (
             f"step {self.step}, {where}: packed vs alone max |Δ logits| {self.max_abs_diff:.3g} "
             f"(relative {self.rel_diff:.3g}, tolerance {self.tol:g} for {str(self.dtype).removeprefix('torch.')}), "
@@ -91,10 +105,12 @@ class _Capture:
     segment: Segment
     input_ids: Tensor  # [L]
     labels: Tensor | None  # [L] (the row's labels over the sequence) or None
-    logits: Tensor  # [L, V] float32, packed forward
+    logits: Tensor  # [L, V] packed forward in the logits' dtype, or [L, H] hidden states (``hidden``)
     autocast: tuple[str, torch.dtype] | None
     dtype: torch.dtype
     n_candidates: int = 0  #: sequences it was drawn from
+    micro_batch: int = 0  #: index of the training forward in the step
+    hidden: bool = False  #: ``logits`` holds the backbone's last hidden states (a forward without logits)
 
 
 def _dropout_sources(model: nn.Module) -> list[str]:
@@ -147,6 +163,37 @@ def _is_fsdp2(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _core(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _backbone(model: nn.Module) -> nn.Module | None:
+    """The backbone whose ``last_hidden_state`` the LM head reads (``model.base_model``), or None."""
+    core = _core(model)
+    backbone = getattr(core, "base_model", None)
+    return backbone if isinstance(backbone, nn.Module) and backbone is not core else None
+
+
+def _lm_head(model: nn.Module) -> nn.Module | None:
+    """The LM head (``get_output_embeddings``) when it holds a ``[V, H]`` weight, else None."""
+    get = getattr(_core(model), "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return head if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+def _lm_head_weight(model: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """The LM head's ``[V, H]`` weight and ``[V]`` bias (or None) in float32, gathered when sharded."""
+    head = _lm_head(model)
+    if head is None:
+        raise ValueError("ShadowCheckCallback: the model has no LM head (get_output_embeddings) with a weight")
+    weight, bias = head.weight, getattr(head, "bias", None)
+    full = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in (weight, bias) if isinstance(t, Tensor)]
+    return full[0].detach().float(), (full[1].detach().float() if len(full) > 1 else None)
+
+
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -165,14 +212,17 @@ class ShadowCheckCallback(TrainerCallback):
         ranks: ``"all"``: under DDP / FSDP every rank checks a sequence of its own batch and the worst result is
             shared (every rank logs and raises together); ``"main"``: rank 0 checks and shares its result (not
             under FSDP2, whose forward is collective).
-        seed: seeds the private generator that picks the sequence (the global RNGs are never touched).
+        seed: offsets the rotation that picks the checked sequence of each micro-batch (the global RNGs are
+            never touched): check ``k`` of micro-batch ``m`` takes candidate ``(seed + k + m) mod n``.
 
     Logs ``safepad/shadow_max_abs_diff``, ``safepad/shadow_rel_diff`` (max over the checks since the last log)
     and ``safepad/shadow_checked_tokens`` (sum) to the Trainer's logs. The callback moves itself to the front
     of the Trainer's callbacks so that the reporting integrations (W&B, TensorBoard) see these keys.
 
-    Needs: input_ids (no inputs_embeds), full-length logits from the packed forward (``logits_to_keep=0``, no
-    fused-loss kernel), and a deterministic training forward (dropout 0); each is checked with a clear error.
+    Needs: input_ids (no inputs_embeds), full-length logits from the packed forward (``logits_to_keep=0``) or,
+    when it returns none (TRL's fused LM head in ``SFTTrainer`` / ``GRPOTrainer`` / ``DPOTrainer``), the
+    ``[B, T, H]`` last hidden states of its backbone (``model.base_model``) and an LM head weight, and a
+    deterministic training forward (dropout 0); each is checked with a clear error.
     ``safepad.distributed`` sequence parallelism is refused (each rank sees a shard of the sequence).
     """
 
@@ -197,8 +247,12 @@ class ShadowCheckCallback(TrainerCallback):
         self.results: list[ShadowResult] = []
         self._model: nn.Module | None = None
         self._hook: Any = None
+        self._backbone_hook: Any = None
+        self._hidden: Tensor | None = None  #: [B, T, H] last hidden states of the backbone's latest forward
+        self._record_hidden = False
         self._armed = False
-        self._capture: _Capture | None = None
+        self._captures: list[_Capture] = []
+        self._forwards = 0  #: training forwards seen in the current checked step
         self._step = 0
         self._features: deque[tuple[Tensor, Tensor]] = deque(maxlen=64)
         self._pending: dict[str, float] = {}
@@ -233,11 +287,14 @@ class ShadowCheckCallback(TrainerCallback):
                 "ShadowCheckCallback(ranks='main') under FSDP2: the shadow forward all-gathers the sharded "
                 "parameters, so every rank must run it. Use ranks='all' (each rank checks its own batch)."
             )
-        self._model, self._capture, self._armed, self._pending = module, None, False, {}
+        self._model, self._captures, self._armed, self._pending = module, [], False, {}
         self._amp_dtype = (
             torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
         )
         self._hook = module.register_forward_hook(self._on_forward, with_kwargs=True)
+        backbone = _backbone(module)
+        if backbone is not None:
+            self._backbone_hook = backbone.register_forward_hook(self._on_backbone)
         self._watch_collator(train_dataloader, getattr(trainer, "train_dataset", None))
         if trainer is not None:  # run our on_log before the reporting integrations'
             callbacks = trainer.callback_handler.callbacks
@@ -306,6 +363,9 @@ class ShadowCheckCallback(TrainerCallback):
     def _teardown(self) -> None:
         if self._hook is not None:
             self._hook.remove()
+        if self._backbone_hook is not None:
+            self._backbone_hook.remove()
+        self._backbone_hook, self._hidden, self._record_hidden = None, None, False
         if self._patched_loader is not None:
             self._patched_loader.collate_fn = self._orig_collate
         if self._patched_dataset is not None:
@@ -313,7 +373,7 @@ class ShadowCheckCallback(TrainerCallback):
         self._patched_dataset = None
         self._stash.clear()
         self._hook, self._patched_loader, self._orig_collate = None, None, None
-        self._capture, self._armed = None, False
+        self._captures, self._armed = [], False
         self._features.clear()
 
     # ---------------------------------------------------------------------------------------------- capture
@@ -321,13 +381,25 @@ class ShadowCheckCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self._step = state.global_step + 1
         self._armed = (self._step - 1) % self.every_n_steps == 0
-        self._capture = None
+        self._captures, self._forwards = [], 0
+
+    @torch._dynamo.disable
+    def _on_backbone(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Keep the backbone's ``[B, T, H]`` last hidden states of a checked step's training forward (or of the
+        shadow run): a forward without logits (TRL's fused LM head) is checked on them."""
+        if not (self._record_hidden or (self._armed and module.training and torch.is_grad_enabled())):
+            return
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+            hidden = output[0]
+        self._hidden = hidden.detach() if isinstance(hidden, Tensor) and hidden.dim() == 3 else None
 
     @torch._dynamo.disable
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._armed or not module.training or not torch.is_grad_enabled():
             return
-        self._armed = False  # the step's first training micro-batch only
+        micro_batch = self._forwards  # every training forward of the step (gradient accumulation) is checked
+        self._forwards += 1
         ids = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(ids, Tensor) or ids.dim() != 2:
             raise ValueError(
@@ -337,13 +409,19 @@ class ShadowCheckCallback(TrainerCallback):
         logits = getattr(output, "logits", None)
         if logits is None and isinstance(output, Mapping):
             logits = output.get("logits")
+        hidden, self._hidden = self._hidden, None
+        use_hidden = False
         if not isinstance(logits, Tensor) or tuple(logits.shape[:2]) != tuple(ids.shape):
-            got = "no logits" if not isinstance(logits, Tensor) else f"logits of shape {tuple(logits.shape)}"
-            raise ValueError(
-                f"ShadowCheckCallback: the packed forward returned {got} for input_ids {tuple(ids.shape)}; the shadow "
-                "check compares every position's logits. Keep the full logits (logits_to_keep=0, no fused "
-                "linear-cross-entropy kernel) or remove the callback."
-            )
+            use_hidden = isinstance(hidden, Tensor) and tuple(hidden.shape[:2]) == tuple(ids.shape)
+            if not use_hidden or _lm_head(module) is None:
+                got = "no logits" if not isinstance(logits, Tensor) else f"logits of shape {tuple(logits.shape)}"
+                raise ValueError(
+                    f"ShadowCheckCallback: the packed forward returned {got} for input_ids {tuple(ids.shape)}, and "
+                    "no [B, T, H] hidden states of its backbone (model.base_model) with an LM head "
+                    "(get_output_embeddings) to compute them from; the shadow check compares every position's "
+                    "logits. Keep the full logits (logits_to_keep=0, no fused linear-cross-entropy kernel) or "
+                    "remove the callback."
+                )
         B, T = ids.shape
         cpu_ids = ids.detach().cpu()
         extra = next(
@@ -363,29 +441,40 @@ class ShadowCheckCallback(TrainerCallback):
             return
         later = [s for s in segs if s.index > 0]  # a leak shows only after a boundary
         pool = later or segs
-        seg = pool[random.Random(self.seed * 1_000_003 + self._step).randrange(len(pool))]
+        seg = pool[self._pick(len(pool), micro_batch)]
         device_type = ids.device.type
         amp = _autocast_state(device_type)
-        self._capture = _Capture(
-            segment=seg,
-            input_ids=ids[seg.row, seg.start : seg.end].detach().clone(),
-            labels=None if lab is None else lab[seg.row, seg.start : seg.end].clone(),
-            logits=logits[seg.row, seg.start : seg.end].detach().float().clone(),
-            autocast=amp,
-            dtype=_training_dtype(module, amp, self._amp_dtype),
-            n_candidates=len(pool),
+        self._captures.append(
+            _Capture(
+                segment=seg,
+                input_ids=ids[seg.row, seg.start : seg.end].detach().clone(),
+                labels=None if lab is None else lab[seg.row, seg.start : seg.end].clone(),
+                logits=(hidden if use_hidden else logits)[seg.row, seg.start : seg.end].detach().clone(),
+                autocast=amp,
+                dtype=_training_dtype(module, amp, self._amp_dtype),
+                n_candidates=len(pool),
+                micro_batch=micro_batch,
+                hidden=use_hidden,
+            )
         )
+
+    def _pick(self, n: int, micro_batch: int) -> int:
+        """Index of the checked sequence among ``n`` candidates: a rotation over the checks (``k``-th check of
+        the run) and the micro-batches, offset by ``seed``, so that a steady layout has every candidate slot,
+        the row's last sequence included, checked within ``n`` checks."""
+        k = (self._step - 1) // self.every_n_steps
+        return (self.seed + k + micro_batch) % n
 
     # ---------------------------------------------------------------------------------------------- check
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if (self._step - 1) % self.every_n_steps != 0 or self._model is None:
             return
-        cap, self._capture, self._armed = self._capture, None, False
+        caps, self._captures, self._armed = self._captures, [], False
         dist = _dist()
         if self.ranks == "main" and dist is not None and dist.get_rank() != 0:
-            cap = None  # rank 0 checks; this rank only takes part in sharing the result
-        result = self._shadow(cap) if cap is not None else None
+            caps = []  # rank 0 checks; this rank only takes part in sharing the result
+        result = self._worst([r for cap in caps if (r := self._shadow(cap)) is not None])
         result = self._share(result)
         if result is None:
             return
@@ -408,6 +497,16 @@ class ShadowCheckCallback(TrainerCallback):
             raise PaddingError(msg, (KIND_SHADOW_MISMATCH,))
         warnings.warn(PaddingWarning(msg, KIND_SHADOW_MISMATCH), stacklevel=2)
 
+    @staticmethod
+    def _worst(results: list[ShadowResult]) -> ShadowResult | None:
+        """One result for the step: the worst micro-batch's, with the tokens of every micro-batch checked."""
+        if not results:
+            return None
+        worst = max(results, key=lambda r: (r.flagged, r.rel_diff if r.rel_diff == r.rel_diff else float("inf")))
+        worst.checked_tokens = sum(r.checked_tokens for r in results)
+        worst.micro_batches = len(results)
+        return worst
+
     @torch.no_grad()
     def _shadow(self, cap: _Capture) -> ShadowResult | None:
         model = self._model
@@ -415,6 +514,7 @@ class ShadowCheckCallback(TrainerCallback):
         device = cap.input_ids.device
         amp = torch.autocast(cap.autocast[0], dtype=cap.autocast[1]) if cap.autocast else contextlib.nullcontext()
         rng_devices = [device] if device.type == "cuda" else []
+        self._hidden, self._record_hidden = None, cap.hidden
         try:
             model.eval()
             with torch.random.fork_rng(devices=rng_devices), amp:
@@ -422,26 +522,38 @@ class ShadowCheckCallback(TrainerCallback):
         finally:
             for m, training in flags:
                 m.training = training
-        alone = out.logits[0].float()  # [L, V]
-        if not bool(torch.isfinite(cap.logits).all()):
+            hidden, self._hidden, self._record_hidden = self._hidden, None, False
+        if cap.hidden:  # both sides through the LM head weight: [L, H] -> [L, V]
+            if not isinstance(hidden, Tensor) or tuple(hidden.shape[:2]) != (1, cap.segment.length):
+                raise ValueError(
+                    "ShadowCheckCallback: the alone forward of the checked sequence did not run the backbone "
+                    f"(model.base_model) on its {cap.segment.length} tokens; cannot compare hidden states"
+                )
+            weight, bias = _lm_head_weight(model)
+            alone, packed = (F.linear(h.float(), weight, bias) for h in (hidden[0], cap.logits))
+        else:
+            alone = out.logits[0].float()  # [L, V]
+            packed = cap.logits.float()  # [L, V]
+        if not bool(torch.isfinite(packed).all()):
             logger.warning(
                 "shadow check, step %d: the packed forward's logits are not finite (the run diverged?); a packing "
                 "leak cannot be told from that, so this step is not checked",
                 self._step,
             )
             return None
-        diff = (alone - cap.logits).abs()
+        diff = (alone - packed).abs()
         max_abs = float(diff.max())
         scale = float(alone.abs().max())
         rel = max_abs / max(scale, 1e-30)
         labels = cap.labels.to(device) if cap.labels is not None else cap.input_ids
         loss_a, scored = _token_loss(alone, labels)
-        loss_p, _ = _token_loss(cap.logits, labels)
+        loss_p, _ = _token_loss(packed, labels)
         loss_diff = float((loss_a - loss_p).abs()[scored].max()) if bool(scored.any()) else 0.0
         tol = self.tol if self.tol is not None else SHADOW_TOLERANCES.get(cap.dtype, SHADOW_TOLERANCES[torch.float32])
         flagged = not (rel <= tol)  # finite packed logits, non-finite alone ones: flagged
         return ShadowResult(
-            self._step, cap.segment, max_abs, rel, loss_diff, cap.segment.length, cap.dtype, tol, flagged
+            self._step, cap.segment, max_abs, rel, loss_diff, cap.segment.length, cap.dtype, tol, flagged,
+            micro_batch=cap.micro_batch,
         )
 
     def _share(self, result: ShadowResult | None) -> ShadowResult | None:

@@ -300,6 +300,7 @@ class SequenceParallel:
         )  # [B, Tg] or None (every row one sequence)
         for k in _BOUNDARY:
             kwargs.pop(k, None)
+        kwargs.pop("real_token_mask", None)  # the collator's pad tail, read only by the router loss (refused here)
         for k, v in kwargs.items():
             if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[:2] == (B, Tg) and k not in (
                 name, "labels", "position_ids", *_SHARDED_KWARGS

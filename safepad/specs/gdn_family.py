@@ -63,7 +63,7 @@ GDN_FAMILY = tuple(
         _gdn(
             "qwen3_next",
             "Qwen3NextGatedDeltaNet",
-            {"qkv": "qkvz_ba", "beta": None, "decay": "mamba", "decay_proj": None, "gate": None},
+            {"qkv": "qkvz_ba", "beta": None, "decay": "mamba", "decay_proj": None, "gate": None, "router_loss_mask": True},
             "fused in_proj_qkvz / in_proj_ba regrouped per key head; z gates the output norm",
         ),
         _gdn("qwen3_5", "Qwen3_5GatedDeltaNet", _QWEN3_5_TEXT, "fused qkv projection; z / b / a projected separately"),

@@ -45,7 +45,7 @@ MAMBA1_FAMILY = tuple(
             "jamba",
             "JambaMambaMixer",
             hybrid=True,
-            options=_BCDT_NORMS,
+            options={**_BCDT_NORMS, "router_loss_mask": True},  # JambaForCausalLM: aux loss reads attention_mask
             description="RMS norms (with weights) on dt_low, B and C; attention layers see packed position_ids",
         ),
         _spec(

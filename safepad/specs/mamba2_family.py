@@ -45,7 +45,7 @@ MAMBA2_FAMILY = tuple(
             "granitemoehybrid",
             "GraniteMoeHybridMambaLayer",
             hybrid=True,
-            options={"gated_norm": "GraniteMoeHybridRMSNormGated"},
+            options={"gated_norm": "GraniteMoeHybridRMSNormGated", "router_loss_mask": True},
             packed_attention_mask=("full_attention",),
             description="its mask construction ignores position_ids: safepad builds the packed attention mask",
         ),

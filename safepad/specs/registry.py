@@ -30,7 +30,9 @@ class MixerSpec:
         forward: the generic forward, called as ``forward(module, *args, **kwargs)``.
         forward_by_class: for a family with several kinds of stateful module (a mixer and an indexer, ...):
             the forward of each mixer class that is not served by ``forward``, keyed by class name.
-        options: family differences the generic forward reads (multipliers, gate variant, ...).
+        options: family differences the generic forward reads (multipliers, gate variant, ...), and the hooks read
+            (``router_loss_mask``: the top-level forward gives its ``attention_mask`` to the MoE router
+            load-balancing loss, so a packed call hands it the real-token mask; see ``safepad.wrap.hooks``).
         hybrid: whether the family interleaves attention layers (they need packed ``position_ids``).
         packed_attention_mask: for hybrids whose mask construction ignores ``position_ids`` (GraniteMoeHybrid):
             the mask-mapping keys to fill with a block-diagonal causal mask on packed inputs.

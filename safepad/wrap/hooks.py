@@ -11,7 +11,11 @@ families drop ``**kwargs`` before their mixers. On packed calls it also:
 * turns off the cache that would come only from the config default (so a Trainer step works);
 * synthesises ``position_ids`` that restart at each boundary for hybrids, so their attention layers see
   the boundaries too (transformers detects packing from ``position_ids``);
-* builds the block-diagonal attention mask for hybrids whose mask construction ignores ``position_ids``.
+* builds the block-diagonal attention mask for hybrids whose mask construction ignores ``position_ids``;
+* for MoE models whose top-level forward hands its ``attention_mask`` to the router load-balancing loss (spec
+  option ``router_loss_mask``), hands it the ``[B, T]`` mask of the real tokens instead (the pad tail of
+  ``DataCollatorForPackedSSM``'s ``real_token_mask`` and trailing pads are 0); the inner model's own hook
+  drops it again, as for any packed call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import inspect
 import torch
 from torch import nn
 
+from .._config import text_config_value
 from .._tracing import device_check, tracing
 from ..cache import (
     CACHE_NAMES,
@@ -51,7 +56,10 @@ from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .slot_calls import check_traced_cache, counts_slots, slot_justify, slot_restore
 
-__all__ = ["install_model_hooks"]
+__all__ = ["REAL_TOKEN_MASK", "install_model_hooks"]
+
+#: Batch key of ``DataCollatorForPackedSSM``'s ``[B, T]`` real-token mask (0 on the pad tail); consumed here.
+REAL_TOKEN_MASK = "real_token_mask"
 
 
 def install_model_hooks(model: nn.Module) -> None:
@@ -87,6 +95,10 @@ def install_model_hooks(model: nn.Module) -> None:
             "slot_distances": any(s.options.get("slot_distances", False) for s in specs),
             # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
             "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
+            # a top-level forward that gives its attention_mask to the router loss and passes it on to a hooked inner
+            # model (which drops it on packed calls): it gets the real-token mask of a packed call
+            "router_loss_mask": any(s.options.get("router_loss_mask", False) for s in specs)
+            and any(m is not target and isinstance(m, PreTrainedModel) for m in target.modules()),
         }
         target._safepad_tokens = []
         target._safepad_slot_calls = []
@@ -137,6 +149,7 @@ class _ModelPreHook:
         params = info["params"]
         module._safepad_slot_calls.append(None)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
+        real = kwargs.pop(REAL_TOKEN_MASK, None)
         outer = current_context()
         if outer is not None:
             # nested model call (PEFT -> model, VLM -> language model): the outer call decided the boundaries;
@@ -157,7 +170,7 @@ class _ModelPreHook:
             return None
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
-            return self._traced_call(module, args, kwargs, B, T, ids)
+            return self._traced_call(module, args, kwargs, B, T, ids, real)
         check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
         forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
@@ -189,6 +202,7 @@ class _ModelPreHook:
             if padding:
                 seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
+            self._router_loss_mask(module, kwargs, real, mask[:, -T:] if padding else None, (B, T))
         decode_mask = None
         if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token may be padding in some rows
@@ -202,7 +216,7 @@ class _ModelPreHook:
         module._safepad_tokens.append(token)
         return args, kwargs
 
-    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor):
+    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor, real=None):
         """The pre-hook while dynamo traces the call: every decision from what is static, checks on the device.
 
         * given boundaries (``seq_idx`` / ``cu_seq_lens_*``, or 2-D ``position_ids`` without a 2-D mask) run the
@@ -261,6 +275,7 @@ class _ModelPreHook:
                 )
                 seq_idx = torch.where(m, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
+            self._router_loss_mask(module, kwargs, real, mask[:, -T:] if mask2d else None, (B, T))
         elif mask2d and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:  # pos [B, T]
             m = mask[:, -T:].to(device=pos.device, dtype=torch.bool)  # [B, T]
             device_check(
@@ -314,6 +329,32 @@ class _ModelPreHook:
         if info["packed_attention_mask"] and "attention_mask" in info["params"]:
             if kwargs.get("attention_mask") is None:
                 kwargs["attention_mask"] = packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])
+
+
+    def _router_loss_mask(self, module: nn.Module, kwargs: dict, real, pads, shape: tuple[int, int]) -> None:
+        """A packed top-level call of a model whose forward gives ``attention_mask`` to its router load-balancing
+        loss: hand it the ``[B, T]`` real-token mask (``real`` from the collator, and ``pads``, a 2-D padding mask,
+        both ``[B, T]`` or None), so that the pad tail stays out of that loss, as it stays out of the LM loss. The
+        inner model's hook drops the mask again (packed attention reads the boundaries). Without either mask
+        the loss gets no mask (every token is real), never the packed attention-mask mapping."""
+        if not self.info["router_loss_mask"]:
+            return
+        requested = kwargs.get("output_router_logits")
+        if not (requested if requested is not None else text_config_value(module, "output_router_logits", False)):
+            return
+        keep = None
+        for m in (real, pads):
+            if m is None:
+                continue
+            if not isinstance(m, torch.Tensor) or tuple(m.shape) != tuple(shape):
+                got = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+                raise ValueError(
+                    f"{REAL_TOKEN_MASK} must be a [batch, seqlen] = {list(shape)} tensor (1 on real tokens, 0 on the "
+                    f"pad tail), as DataCollatorForPackedSSM emits it; got {got}"
+                )
+            m = m.to(torch.bool)
+            keep = m if keep is None else keep & m.to(keep.device)
+        kwargs["attention_mask"] = None if keep is None else keep.to(torch.long)
 
 
 def _two_d_mask(mask):

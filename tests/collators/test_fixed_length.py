@@ -30,6 +30,7 @@ def test_fixed_length_layout(lengths):
     assert _shapes(out) == {
         "input_ids": (1, L), "labels": (1, L), "position_ids": (1, L), "seq_idx": (1, L),
         "cu_seq_lens_q": (L + 1,), "cu_seq_lens_k": (L + 1,), "max_length_q": L, "max_length_k": L,
+        "real_token_mask": (1, L),
     }  # fmt: skip
     real = sum(lengths)
     pad = L - real
@@ -42,6 +43,7 @@ def test_fixed_length_layout(lengths):
     assert out["seq_idx"][0].tolist() == np.repeat(np.arange(len(seqs)), seqs).tolist()
     assert out["position_ids"][0].tolist() == [p for n in seqs for p in range(n)]
     assert (out["labels"][0, real:] == -100).all() and (out["input_ids"][0, real:] == 7).all()
+    assert out["real_token_mask"][0].tolist() == [1] * real + [0] * pad  # the pad tail, for the router loss
     starts = expect[:-1]
     assert (out["labels"][0, starts] == -100).all()
 

@@ -212,9 +212,13 @@ def test_dropout_is_refused(tmp_path):
 
 
 def test_truncated_logits_are_refused(tmp_path):
+    """Truncated logits and no backbone hidden states to compute them from (a model with a backbone is checked on
+    its hidden states instead: TRL's fused LM head, tests/trainer_ext/test_trl.py)."""
     collator = Dropping("labels", extra={"logits_to_keep": 1})  # (with labels the model's own loss fails first)
+    model = wrapped()
+    model.base_model_prefix = ""  # model.base_model is the model itself: no backbone to read
     with pytest.raises(ValueError, match=r"logits of shape \(1, 1, 256\).*logits_to_keep=0"):
-        train(tmp_path, wrapped(), collator, [ShadowCheckCallback()], steps=1)
+        train(tmp_path, model, collator, [ShadowCheckCallback()], steps=1)
 
 
 def test_sequence_parallel_is_refused(tmp_path):
@@ -268,3 +272,67 @@ def test_padded_rows_are_checked_on_their_real_tokens(tmp_path):
     train(tmp_path, make_model(strong=True), RightPadded(), [shadow], steps=4, examples=examples)
     assert len(shadow.results) == 4 and not any(r.flagged for r in shadow.results)
     assert {r.checked_tokens for r in shadow.results} <= {5, 17, 9, 30}  # one row's real tokens, no pad
+
+
+# ------------------------------------------------------------------------------------------ coverage (issue 28)
+class LeakyEveryOtherBatch:
+    """DataCollatorForPackedSSM whose odd batches lose every boundary: under gradient accumulation 2 only the
+    step's second micro-batch reads its packed row as ONE sequence (the first one is correct)."""
+
+    def __init__(self):
+        self.inner, self.calls = DataCollatorForPackedSSM(), 0
+
+    def __call__(self, features):
+        out = self.inner(features)
+        self.calls += 1
+        if self.calls % 2 == 0:
+            out = {k: v for k, v in out.items() if k not in (*BOUNDARY_KEYS, "position_ids")}
+        return out
+
+
+class LastSequenceMerged:
+    """DataCollatorForPackedSSM whose boundaries lose the row's LAST boundary: state leaks into the last sequence
+    only (the features still tell the shadow check where it starts)."""
+
+    def __init__(self):
+        self.inner = DataCollatorForPackedSSM()
+
+    def __call__(self, features):
+        out = self.inner(features)
+        seq, pos, cu = out["seq_idx"].clone(), out["position_ids"].clone(), out["cu_seq_lens_q"]
+        start = int(cu[-2])  # first token of the last sequence
+        seq[0, start:] -= 1
+        pos[0, start:] = pos[0, start - 1] + 1 + torch.arange(pos.shape[1] - start)
+        cu = torch.cat([cu[:-2], cu[-1:]])
+        longest = int((cu[1:] - cu[:-1]).max())
+        out.update(seq_idx=seq, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        out.update(max_length_q=longest, max_length_k=longest)
+        return out
+
+
+def test_leak_in_a_later_micro_batch_is_flagged(tmp_path):
+    """Old: only the step's first micro-batch was checked (0 flags however long the run)."""
+    shadow = ShadowCheckCallback(every_n_steps=1, mode="error")
+    with pytest.raises(PaddingError, match=r"step 1, sequence [1-9]\d* of row 0 .* of micro-batch 1 \(2 checked\)"):
+        train(tmp_path, wrapped(), LeakyEveryOtherBatch(), [shadow], steps=2, gradient_accumulation_steps=2)
+    last = shadow.results[-1]
+    assert last.flagged and last.micro_batch == 1 and last.rel_diff > 100 * last.tol, last
+
+
+def test_leak_into_the_last_sequence_only_is_flagged_within_the_rotation(tmp_path):
+    """Batches of 4 features hold 3 sequences after a boundary; the rotation reaches the last one at check 3.
+    Old: the seeded picker chose candidate 0 at steps 1-4 (the last one first at step 5)."""
+    shadow = ShadowCheckCallback(every_n_steps=1, mode="error")
+    with pytest.raises(PaddingError, match=r"step 3, sequence 3 of row 0"):
+        train(tmp_path, wrapped(), LastSequenceMerged(), [shadow], steps=3)
+    assert [r.flagged for r in shadow.results] == [False, False, True]
+    assert [r.segment.index for r in shadow.results] == [1, 2, 3]
+
+
+def test_rotation_visits_every_candidate():
+    shadow = ShadowCheckCallback(every_n_steps=5, seed=3)
+    picks = []
+    for step in range(1, 5 * 7, 5):
+        shadow._step = step
+        picks.append([shadow._pick(7, m) for m in range(2)])
+    assert sorted(p[0] for p in picks) == list(range(7)) and sorted(p[1] for p in picks) == list(range(7))
