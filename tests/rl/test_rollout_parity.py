@@ -3,21 +3,23 @@
 GRPO (and every on-policy RL loop) samples completions with ``generate`` and then scores the same tokens with a
 training forward over ``[prompt | completion]``; the policy ratio assumes both see one distribution. This runs
 TRL's own :class:`trl.GRPOTrainer` for one step on wrapped tiny models of the four recurrent kinds (Mamba2: Nemotron-H,
-Bamba; gated delta rule: Qwen3-Next; short conv only: LFM2) in float32 and bfloat16, captures the sampler's
+Bamba; gated delta rule: Qwen3-Next; short conv only: LFM2) in float32, bfloat16 and float16, captures the sampler's
 ``output_logits`` (a ``generate`` override on the model instance) and the training forward's per-token
 log-probs (a ``_get_per_token_logps_and_entropies`` override), and asserts
 
 * float32: max |log p at generation - log p in training| <= 1e-5 on every family;
-* bfloat16: <= 5e-4 (the decode step and the chunked scan round alike: the recurrent state and the scan stay
+* bfloat16 and float16: <= 5e-4 (the decode step and the chunked scan round alike: the recurrent state and the scan stay
   float32, and every op returns its output rounded once to the model dtype).
 
-Prompts are left-padded by TRL (lengths 2..40 here), completions right-padded after their eos. Run this module
-as a script to print the stock | wrapped table (``python -m tests.rl.test_rollout_parity``).
+Prompts are left-padded by TRL (2 prompts of 2 and 9 tokens, 3 generations each, 8 new tokens), completions
+right-padded after their eos. With larger batches (6 prompts of 2..40 tokens x 3) the bf16 gap reaches
+1e-3..4e-3 on Nemotron-H and Bamba, first seen in the attention layer's cached step, not in the recurrence: not
+covered here. Run this module as a script to print the stock | wrapped table
+(``python -m tests.rl.test_rollout_parity``).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
@@ -30,8 +32,8 @@ trl = pytest.importorskip("trl")
 
 FAMILIES = ("nemotron_h", "bamba", "qwen3_next", "lfm2")
 #: max |Δ log p| a wrapped model may show, per dtype
-TARGET = {torch.float32: 1e-5, torch.bfloat16: 5e-4}
-_PROMPT_LENGTHS = (2, 9, 23, 40, 5, 31)
+TARGET = {torch.float32: 1e-5, torch.bfloat16: 5e-4, torch.float16: 5e-4}
+_PROMPT_LENGTHS = (2, 9)
 _NEW_TOKENS = 8
 _GENERATIONS = 3
 
@@ -85,7 +87,7 @@ def grpo_rollout_gap(model, tmp_path, *, temperature: float = 1.0, seed: int = 0
 
     model.generate = capture_generate
     args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=_GENERATIONS * 2, num_generations=_GENERATIONS,
+        output_dir=str(tmp_path), per_device_train_batch_size=_GENERATIONS * len(_PROMPT_LENGTHS), num_generations=_GENERATIONS,
         max_completion_length=_NEW_TOKENS, max_steps=1, learning_rate=1e-6, beta=0.0, temperature=temperature,
         use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=seed, dataloader_num_workers=0,
@@ -98,7 +100,7 @@ def grpo_rollout_gap(model, tmp_path, *, temperature: float = 1.0, seed: int = 0
             model=model,
             reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
             args=args,
-            train_dataset=Dataset.from_list(_prompts(seed)[: 2]),
+            train_dataset=Dataset.from_list(_prompts(seed)),
             processing_class=_tokenizer(),
         )
         trainer.train()
@@ -127,7 +129,10 @@ def _model(family: str, dtype: torch.dtype, wrapped: bool):
     return safepad.wrap(model) if wrapped else model
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")],
+)
 @pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in FAMILIES])
 def test_grpo_generation_logprobs_equal_training_logprobs(family, dtype, tmp_path):
     """Through TRL's GRPOTrainer: each sampled token's log-prob from the sampler's own logits equals the training
