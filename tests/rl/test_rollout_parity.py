@@ -13,8 +13,8 @@ log-probs (a ``_get_per_token_logps_and_entropies`` override), and asserts
 
 Prompts are left-padded by TRL (2 prompts of 2 and 9 tokens, 3 generations each, 8 new tokens), completions
 right-padded after their eos. With larger batches (6 prompts of 2..40 tokens x 3) the bf16 gap reaches
-1e-3..4e-3 on Nemotron-H and Bamba, first seen in the attention layer's cached step, not in the recurrence: not
-covered here. Run this module as a script to print the stock | wrapped table
+1e-3..4e-3 on Nemotron-H and Bamba (first seen mostly in the attention layer's cached step, sometimes as a
+one-ulp flip at a Mamba2 gated-norm output): not covered here. Run this module as a script to print the stock | wrapped table
 (``python -m tests.rl.test_rollout_parity``).
 """
 
