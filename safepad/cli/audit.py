@@ -180,6 +180,8 @@ def _cell(r: ScenarioResult) -> str:
     if r.error is not None:
         return f"[red]raises {r.error.split(':')[0]}[/]"
     text = _fmt(r.max_abs_logits)
+    if r.same_dtype_error is not None:
+        text += f" / {_fmt(r.same_dtype_error)}"  # against the model's own runs alone, same dtype
     if r.mismatched_tokens:
         text += f" ({r.mismatched_tokens} tok)"
     return f"[green]{text}[/]" if r.passed else f"[red]{text}[/]"
@@ -195,9 +197,18 @@ def _verdict(r: ScenarioResult) -> str:
     return {"n/a": "[dim]n/a[/]", "ok": "[green]pass[/]"}.get(r.status, "[bold red]FAIL[/]")
 
 
-def _legend(tol: float, wrapped: bool) -> str:
+def _legend(tol: float, wrapped: bool, same_dtype_tol: float | None = None) -> str:
     """What every cell of the table means (printed under it)."""
     subject = "the wrapped model" if wrapped else "the stock model"
+    half = ()
+    if same_dtype_tol is not None:
+        half = (
+            "  a / b         half precision: a as above, against the float32 stock reference (a coarse check: rounding",
+            "                alone moves bf16 logits by ~0.02); b against each sequence run alone through the same",
+            f"                model in the same dtype (one-shot, no padding, no cache), within tol {same_dtype_tol:g} x",
+            "                max(1, largest |reference logit|) (half an ulp, or 4 x that reference's measured noise):",
+            "                b separates a layout defect (stock Bamba's decode past its dt floor) from rounding",
+        )
     return "\n".join(
         (
             "How to read the cells: every number is the largest |difference| from the reference, which is each",
@@ -212,6 +223,7 @@ def _legend(tol: float, wrapped: bool) -> str:
             f"  result        pass: {subject} is within tol {tol:g} x max(1,",
             "                largest |reference value|) for the logits and every state, and raises nothing",
             "  *_no_pos      the same call without position_ids (mask and cache only, as the README's recipes)",
+            *half,
         )
     )
 
@@ -239,7 +251,8 @@ def _print_report(console: Any, report: AuditReport) -> None:
             row.append(_states(wr))
         table.add_row(*row)
     console.print(table)
-    console.print(_legend(report.tol, wrapped), markup=False, highlight=False)
+    same = next((r.same_dtype_tol for r in report.subject if r.same_dtype_tol is not None), None)
+    console.print(_legend(report.tol, wrapped, same), markup=False, highlight=False)
     for stock, wr in report.rows():
         for label, r in (("stock", stock), ("wrapped", wr)):
             if r is not None and r.error is not None and (label == "wrapped" or not wrapped):

@@ -24,6 +24,19 @@ from .common import cached_conv, layout_op, cached_conv_step, gated_norm, hold_m
 __all__ = ["mamba2_mixer_forward"]
 
 
+def _scan_inputs(xBC: Tensor) -> Tensor:
+    """The conv output ``[..., conv_dim]`` as the SSD op's input: float32 when the model runs in half precision.
+
+    Its values are exact in float32, so the op computes the same math, but its output ``y`` then comes back in
+    float32 and is rounded to the model dtype once, after the gated norm (which computes in float32 either
+    way), instead of before it as well. A decode step and the chunked scan differ in float32 by ~1e-7; every
+    extra bf16 rounding of ``y`` turns such differences into one-ulp flips that the norm and ``out_proj``
+    carry to the logits (rollout-vs-training log-prob gap on bf16 Nemotron-H under GRPO: 1e-3 with the extra
+    rounding, 5e-7 without).
+    """
+    return xBC.float() if xBC.dtype in (torch.float16, torch.bfloat16) else xBC
+
+
 def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):
     """Padding/packing-correct forward of a Mamba2-style mixer. ``hidden_states`` ``[B, T, hidden]``."""
     opts = self._safepad_spec.options
@@ -52,7 +65,7 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     if past.has_previous and T == 1:
         # decode: one token per row, continuing from the cache
         xBC_t, conv_new = cached_conv_step(xBC[:, 0], self.conv1d, past, activation=self.activation, backend=backend)
-        x, Bm, Cm = xBC_t.split([I, G * N, G * N], dim=-1)  # [B, I], [B, G*N], [B, G*N]
+        x, Bm, Cm = _scan_inputs(xBC_t).split([I, G * N, G * N], dim=-1)  # [B, I], [B, G*N], [B, G*N]
         y, ssm_new = ssd_step(
             past.recurrent,
             x.reshape(Bsz, H, P),  # [B, H, P]
@@ -77,7 +90,7 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         xBC, conv_final = cached_conv(
             xBC, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
-        x, Bm, Cm = xBC.split([I, G * N, G * N], dim=-1)
+        x, Bm, Cm = _scan_inputs(xBC).split([I, G * N, G * N], dim=-1)
         scan_out = layout_op(layout, ssd_scan)(
             x.reshape(Bsz, T, H, P),  # [B, T, H, P]
             dt,  # [B, T, H]

@@ -297,6 +297,7 @@ def gated_delta_rule_step(
     _check_state(state, "state", (q.shape[0], h, dk, dv), q.device)
 
     cdt = _compute_dtype(q, k, v, g, beta, state)
+    out_dtype = v.dtype  # o comes back in the input's dtype, rounded as the chunked path rounds it
     q, k, v, g, beta = (x.to(cdt) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -309,7 +310,7 @@ def gated_delta_rule_step(
     delta = (v - pred) * beta[..., None]  # [B, H, Dv]
     s = s + k[..., :, None] * delta[..., None, :]  # [B, H, Dk, Dv]
     o = torch.einsum("bhkv,bhk->bhv", s, q)  # [B, H, Dv]
-    return o.to(v.dtype), s
+    return o.to(out_dtype), s
 
 
 def _pack_outputs(

@@ -210,6 +210,26 @@ def test_step_after_prefix_equals_full(per_channel, hk):
     assert rel_err(state, full_state) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+@pytest.mark.parametrize("per_channel", GATES)
+def test_step_rounds_output_like_the_chunked_op(per_channel, dtype):
+    """Half-precision inputs: the step's ``o`` comes back in ``v``'s dtype, the float32 result rounded once, as the
+    chunked op's ``o`` is. (It came back in float32, so a decode step fed the next layer an unrounded output
+    while the training forward fed it the rounded one: a 4e-3 rollout-vs-training log-prob gap on bf16 Qwen3-Next.)"""
+    q, k, v, g, beta = make_inputs(2, 9, 2, 8, 4, per_channel=per_channel, seed=23, dtype=dtype)
+    g = g.float()  # the mixers hand the op a float32 decay
+    _, state = chunk_gated_delta_rule(
+        *(x[:, :8] for x in (q, k, v, g, beta)), use_qk_l2norm=True, return_final_state=True
+    )
+    step = [x[:, 8] for x in (q, k, v, g, beta)]
+    o, new_state = gated_delta_rule_step(state, *step, use_qk_l2norm=True)
+    o32, state32 = gated_delta_rule_step(state, *(x.float() for x in step), use_qk_l2norm=True)
+    assert o.dtype == dtype and new_state.dtype == torch.float32
+    assert torch.equal(o, o32.to(dtype)) and torch.equal(new_state, state32)
+    full = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
+    assert full.dtype == dtype and (o.float() - full[:, 8].float()).abs().max() <= 2 * torch.finfo(dtype).eps
+
+
 @pytest.mark.parametrize("per_channel", GATES)
 def test_masked_layouts_equal_compacted(per_channel):
     """Left pads, right pads, interior pads and a packed row with pads: real tokens and states == compacted."""
