@@ -218,6 +218,8 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
         record.keep = keep
     call.install(cache)
+    if isinstance(named.get("position_ids"), torch.Tensor):
+        named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
     record.call = call
     return (), named
 
