@@ -261,8 +261,9 @@ class SlotJustifiedCall:
         if position_ids.dim() == 2:
             return torch.where(sel, moved[0], position_ids)
         R = position_ids.shape[0]
-        rows = moved if moved.shape[0] == R else torch.cat([moved[:1].expand(max(R - moved.shape[0], 0), -1, -1), moved])[-R:]
-        return torch.where(sel[None], rows, position_ids.expand(R, *sel.shape))
+        if moved.shape[0] != R:  # a leading text row: the history's first row; or fewer rows: the last ones
+            moved = torch.cat([moved[:1].expand(max(R - moved.shape[0], 0), -1, -1), moved])[-R:]  # [R, B, T]
+        return torch.where(sel[None], moved, position_ids.expand(R, *sel.shape))
 
     def uninstall(self) -> None:
         if self._cache is not None:
