@@ -151,20 +151,25 @@ def _dynamic_indexer_update():
     return None if cls is None else cls.update_indexer
 
 
-def _justify_position_history(cache, n_past: Tensor, n_new: Tensor, T: int) -> None:
+def _justify_position_history(cache, n_past: Tensor, n_new: Tensor, T: int) -> Tensor | None:
     """Re-lay a cache layer's stored per-slot positions ``[K, B, S]`` (``indexer_position_ids``, Qwen4-Exp) now.
 
     The model concatenates them with the chunk's positions before any layer runs, so they must be in the
     justified layout before the forward; the stored slots' re-lay depends only on counts (:func:`justify_kv`).
+    Returns ``[K, B, T]``: the stored positions of the cached slots the re-lay moves into the chunk's columns
+    (0 elsewhere), which the chunk's positions must carry there; None without a history.
     """
+    moved = None
     for layer in getattr(cache, "layers", ()):
         hist = getattr(layer, "indexer_position_ids", None)
         if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != n_past.shape[0]:
             continue
         S = hist.shape[-1]
         h = hist.permute(1, 0, 2)[..., None]  # [B, K, S, 1]
-        past, _ = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), n_past.clamp(max=S), n_new)
+        past, new = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), n_past.clamp(max=S), n_new)
         layer.indexer_position_ids = past[..., 0].permute(1, 0, 2).contiguous()  # [K, B, S]
+        moved = new[..., 0].permute(1, 0, 2) if moved is None else moved  # [K, B, T]
+    return moved
 
 
 class SlotJustifiedCall:
@@ -199,6 +204,8 @@ class SlotJustifiedCall:
         # the cached slots must move when some row gets new pads and holds something already
         self.relay = past_len > 0 and bool((self.n_new < T).any())
         self._cache = None
+        #: ``[K, B, T]`` stored positions of the cached slots moved into the chunk's columns (set by install)
+        self.moved_positions: Tensor | None = None
 
     def reorder(self, x: Tensor) -> Tensor:
         """``[B, T, ...]`` (or ``[1, T, ...]``, expanded) current-token tensor in the justified order."""
@@ -261,11 +268,28 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
-        _justify_position_history(cache, self.n_past, self.n_new, self.T)
+        self.moved_positions = _justify_position_history(cache, self.n_past, self.n_new, self.T)
         cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
         if hasattr(type(cache), "update_indexer"):
             cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new)
         self._cache = cache
+
+    def with_moved_positions(self, position_ids: Tensor) -> Tensor:
+        """The chunk's justified ``position_ids`` (``[B, T]`` or ``[R, B, T]``) with the columns that the re-lay
+        fills with cached real slots set to those slots' stored positions (a cache keeping a per-slot position
+        history, :func:`_justify_position_history`); unchanged otherwise. ``R`` may exceed the history's ``K``
+        by a leading text row (Qwen4-Exp's ``[4, B, T]``), which gets the history's first row."""
+        moved = self.moved_positions
+        if moved is None:
+            return position_ids
+        sel = (self.mask[:, -self.T :] & ~self.token_mask).to(position_ids.device)  # [B, T] moved cached slots
+        moved = moved.to(device=position_ids.device, dtype=position_ids.dtype)  # [K, B, T]
+        if position_ids.dim() == 2:
+            return torch.where(sel, moved[0], position_ids)
+        R = position_ids.shape[0]
+        if moved.shape[0] != R:  # a leading text row: the history's first row; or fewer rows: the last ones
+            moved = torch.cat([moved[:1].expand(max(R - moved.shape[0], 0), -1, -1), moved])[-R:]  # [R, B, T]
+        return torch.where(sel[None], moved, position_ids.expand(R, *sel.shape))
 
     def uninstall(self) -> None:
         if self._cache is not None:

@@ -55,6 +55,24 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "gated_delta_mixer_forward"]
 DEFAULT_CHUNK_SIZE = 64
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    The chunked delta rule permutes its inputs, so the gradients reaching Qwen3-Next's ``b`` / ``a`` (and ``q`` ...
+    ``z``) carry permuted strides; the stock ``fix_query_key_value_ordering`` splits ``.view``s of the projections,
+    and AOT autograd replays their backward as ``aten.view`` on those gradients, which fails ("view size is not
+    compatible with input tensor's size and stride") where eager autograd reshapes.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``hidden_states [B, T, C]`` -> (conv input ``[B, T, 2 * H_k * Dk + H * Dv]`` as ``[q | k | v]``,
     Qwen3-Next's ``z [B, T, H, Dv]``, ``b [B, T, H]``, ``a [B, T, H]``; ``None`` for the others)."""
@@ -63,6 +81,8 @@ def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | No
         qkvz = self.in_proj_qkvz(hidden_states)  # [B, T, 2 * H_k * Dk + 2 * H * Dv]
         ba = self.in_proj_ba(hidden_states)  # [B, T, 2 * H]
         q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)  # q,k [B,T,H_k,Dk]; v,z [B,T,H,Dv]; b,a [B,T,H]
+        # the stock split ``view``s qkvz / ba: their gradients must come back contiguous (see _ContiguousGrad)
+        q, k, v, z, b, a = (_ContiguousGrad.apply(x) for x in (q, k, v, z, b, a))
         flat = [x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)]  # [B, T, H_k * Dk] x2, [B, T, H * Dv]
         return torch.cat(flat, dim=-1), z, b, a
     if isinstance(layout, tuple) and layout and all(isinstance(n, str) for n in layout):

@@ -54,7 +54,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .slot_calls import check_traced_cache, counts_slots, slot_justify, slot_restore
+from .slot_calls import _mrope, check_traced_cache, counts_slots, slot_justify, slot_restore
 
 __all__ = ["REAL_TOKEN_MASK", "install_model_hooks"]
 
@@ -284,6 +284,8 @@ class _ModelPreHook:
                 "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
                 "when they come with an attention_mask (or come without one)",
             )
+        if seq_idx is None:
+            _traced_cache_positions(module, info, args, kwargs, T, mask if mask2d else None, ids)
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
         padding_mask = mask if mask2d and seq_idx is None else None
         token = enter_call(
@@ -355,6 +357,42 @@ class _ModelPreHook:
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m.to(keep.device)
         kwargs["attention_mask"] = None if keep is None else keep.to(torch.long)
+
+
+def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, T: int, mask, ids) -> None:
+    """While dynamo traces a cached call without ``position_ids``: each token's real position, as eager gives it.
+
+    The eager hook (``slot_calls``) gives a cached call without ``position_ids`` the row's cached real tokens plus
+    ``cumsum(mask) - 1`` over the chunk (``cache length + arange(T)`` without a mask), so that padded rows and
+    families that restart their rotary positions on every call (Bamba in transformers 5.24) decode right. Traced,
+    the same positions come from the mask on the device: ``cumsum(mask) - 1`` over the given mask ``[B, M]``, its
+    last ``T`` columns, plus the cached tokens the mask does not cover (``cache length + T - M``). Sets
+    ``kwargs["position_ids"]`` ``[B, T]`` in place; nothing for uncached calls, training calls with only the
+    config's cache, models without ``position_ids`` or with multimodal rotary positions.
+    """
+    params = info["params"]
+    if not info["accepts_position_ids"] or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
+        return
+    if "position_ids" in params[: len(args)] or _mrope(module):
+        return
+    cache = next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
+    use_cache = kwargs.get("use_cache")
+    explicit = cache is not None or use_cache is True
+    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
+    if not wanted or (module.training and not explicit):
+        return
+    past = 0
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        try:
+            past = cache.get_seq_length()  # an int, or a symbolic size while traced (no host read)
+        except ValueError:  # a recurrent-only cache: no attention layer reads positions
+            past = 0
+    if mask is None:
+        kwargs["position_ids"] = (past + torch.arange(T, device=ids.device))[None].expand(ids.shape[0], T)
+        return
+    real = mask.to(device=ids.device, dtype=torch.long)  # [B, M]
+    pos = (real.cumsum(1) - 1).clamp(min=0)[:, -T:]  # [B, T]
+    kwargs["position_ids"] = pos + (past + T - mask.shape[1])
 
 
 def _two_d_mask(mask):

@@ -137,7 +137,15 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
             (info["hybrid"] or info.get("slot_distances")) and past_len == 0 and mask.shape[1] == T and T > 1
             and _has_holes(m)
         )
-        if not holes:
+        # generate(use_cache=False) re-feeds the whole sequence and reads each row's next token from its LAST
+        # column: rows with pads after real tokens (a right-padded prompt, then new tokens after the pads) are
+        # re-laid pads first, and the outputs stay in that order within generate (the mixers' compaction and
+        # positions from the mask make each row its tokens alone)
+        refed = (
+            generating is not None and past_len == 0 and mask.shape[1] == T and _pads_after_real(m)
+            and not module.training and _arg(args, kwargs, params, "labels") is None
+        )
+        if not (holes or refed):
             for check in info["slot_checks"]:
                 check(module, m[:, -T:])
             return args, kwargs
@@ -237,6 +245,8 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     if record.restore:  # (attention weights address cache slots even when the chunk keeps its order)
         _ask_for_model_output(module, info, named, record)
     call.install(cache)
+    if isinstance(named.get("position_ids"), torch.Tensor):
+        named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
     record.call = call
     return (), named
 
@@ -272,6 +282,11 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
             "torch.compile, or run the cached calls of right-padded rows without compiling "
             "(no compile_config / torch.compiler.set_stance('force_eager'))."
         )
+
+
+def _pads_after_real(m: torch.Tensor) -> bool:
+    """``m`` ``[B, T]`` bool: some row has a pad after one of its real tokens (right padding or a hole)."""
+    return bool((~m & (m.cumsum(1) > 0)).any())
 
 
 def _has_holes(m: torch.Tensor) -> bool:

@@ -115,3 +115,33 @@ def test_cache_of_another_batch_size_raises_naming_it(models):
     cache = wrapped(input_ids=ids, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="cache holds states for 3 rows but this call has 2 rows"):
         wrapped(input_ids=ids[:2, -1:], **_cache_kw(wrapped, cache), use_cache=True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunk", [pytest.param(16, id="chunk16"), pytest.param(31, id="chunk31")])
+def test_chunked_prefill_with_position_ids_of_padded_rows_equals_alone(models, chunk):
+    """Right-padded rows fed in chunks with the full mask and ``cumsum(mask) - 1`` position_ids: a chunk holding a
+    row's last real tokens and pads moves cached slots into its columns, and the indexer's position history must
+    keep those slots' own positions there (not the caller's positions of the pads)."""
+    stock, wrapped = models
+    N = 40
+    ids = torch.randint(3, 250, (3, N), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, N - 7 :] = 0
+    mask[2, N - 20 :] = 0
+    ids = ids * mask
+    cache, outs = None, []
+    for a in range(0, N, chunk):
+        b = min(a + chunk, N)
+        kw = _cache_kw(wrapped, cache) if cache is not None else {}
+        pos = (mask[:, :b].cumsum(-1) - 1).clamp(min=0)[:, a:b]
+        out = wrapped(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos, use_cache=True, **kw)
+        cache = out.past_key_values
+        outs.append(out.logits)
+    logits = torch.cat(outs, 1)
+    err = 0.0
+    for r in range(3):
+        real = mask[r].bool()
+        alone = stock(input_ids=ids[r, real][None], use_cache=False).logits[0]
+        err = max(err, (logits[r, real] - alone).abs().max().item())
+    assert err < 1e-4, (chunk, err)
