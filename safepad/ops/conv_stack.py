@@ -63,7 +63,8 @@ def causal_conv_stack(
             raise ValueError(f"token_mask must have shape [B, T] = [{B}, {T}], got {tuple(token_mask.shape)}")
         token_mask = token_mask.to(torch.bool)
         msg = "token_mask must be right-padded (real tokens first); compact left pads / holes first"
-        require(~pads_before_real(token_mask).any(), msg)  # on the device under torch.compile
+        if T > 1:  # one token is right-padded as it is (and a decode step reads nothing on the host)
+            require(~pads_before_real(token_mask).any(), msg)  # on the device under torch.compile
         x = x * token_mask[..., None].to(x.dtype)
     prev = x.new_zeros(B, C, Kc) if initial_state is None else initial_state.to(x.dtype)
     ctx = torch.cat([prev, x.transpose(1, 2)], dim=-1)  # [B, C, Kc + T]
