@@ -83,8 +83,10 @@ def pads_before_real(mask: Tensor) -> Tensor:
 
 
 def is_right_padded(mask: Tensor) -> bool:
-    """True when every row of ``[B, T]`` is real tokens followed only by pads (no left pads, no holes): one host
-    read of :func:`pads_before_real`."""
+    """True when every row of ``[B, T]`` is real tokens followed only by pads (no left pads, no holes; one host
+    read of :func:`pads_before_real`, none for one token)."""
+    if mask.shape[1] < 2:
+        return True
     return not bool(pads_before_real(mask).any())
 
 
