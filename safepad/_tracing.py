@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["device_check", "tracing"]
+__all__ = ["device_check", "require", "tracing"]
 
 
 def tracing() -> bool:
@@ -25,3 +25,19 @@ def tracing() -> bool:
 def device_check(ok: Tensor, message: str) -> None:
     """Raise ``RuntimeError(message)`` when the one-element bool tensor ``ok`` is False, without a host sync."""
     torch._assert_async(ok, message)
+
+
+def require(ok: Tensor | bool, message: str) -> None:
+    """One check for eager and traced code: ``ok`` (a Python bool, or a one-element bool tensor) must hold.
+
+    A Python bool (a static fact: a shape, a dtype) raises ``ValueError(message)`` at once. A tensor is read on
+    the host in eager mode (one sync; ``ValueError``) and checked on the device while tracing (no graph break:
+    ``RuntimeError`` with the same message when the compiled code runs).
+    """
+    if not isinstance(ok, Tensor):
+        if not ok:
+            raise ValueError(message)
+    elif tracing():
+        device_check(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)

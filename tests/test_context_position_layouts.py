@@ -123,13 +123,13 @@ def test_guard_sees_packing_in_every_position_layout(family: str, layout: str):
 def test_rope_rows_of_one_sequence_with_an_image_are_not_packing():
     """``get_rope_index``'s rows for one sequence whose image opens it: (0, 0, 0), then (0, h, w) patches, then
     text at (p, p, p). Only the first token is all-zero, so nothing is read as packing."""
-    from safepad.context import boundaries_from_kwargs
+    from safepad.layout.normalize import normalize_boundaries
 
     t, h, w = torch.meshgrid(torch.zeros(1, dtype=torch.long), torch.arange(2), torch.arange(3), indexing="ij")
     vision = torch.stack([t, h, w]).reshape(3, -1).long()  # [3, 6]
     text = torch.arange(3, 8)[None].expand(3, -1)  # [3, 5]
     rows = torch.cat([vision, text], 1)[:, None]  # [3, 1, 11]
-    assert boundaries_from_kwargs((1, 11), position_ids=rows) == (None, "none")
+    assert normalize_boundaries((1, 11), position_ids=rows) == (None, "none")
     packed = torch.cat([rows, rows], -1)  # [3, 1, 22]: the same sequence twice
-    seq_idx, source = boundaries_from_kwargs((1, 22), position_ids=packed)
+    seq_idx, source = normalize_boundaries((1, 22), position_ids=packed)
     assert source == "position_ids" and seq_idx.tolist() == [[0] * 11 + [1] * 11]

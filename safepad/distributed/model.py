@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..cache import CACHE_NAMES
-from ..context import boundaries_from_kwargs, position_ids_from_seq_idx
+from ..layout.normalize import normalize_boundaries, position_ids_from_seq_idx
 from ..wrap import is_wrapped, wrapped_modules
 from ..parallel import attention as _attention
 from ..parallel.collectives import all_gather_stack, sum_replicated
@@ -293,7 +293,7 @@ class SequenceParallel:
         labels = kwargs.get("labels")
         if isinstance(labels, Tensor) and tuple(labels.shape) != (B, Tg):
             raise ValueError(f"labels must have the full rows' shape [{B}, {Tg}] (unshifted), got {list(labels.shape)}")
-        seq_g, _ = boundaries_from_kwargs(
+        seq_g, _ = normalize_boundaries(
             (B, Tg), seq_idx=kwargs.get("seq_idx"), cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
             cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
             position_ids=position_ids if isinstance(position_ids, Tensor) else None,

@@ -22,6 +22,7 @@ __all__ = [
     "trailing_pad_counts",
     "has_holes",
     "is_right_padded",
+    "pads_before_real",
     "Compaction",
 ]
 
@@ -72,12 +73,21 @@ def has_holes(mask: Tensor) -> Tensor:
     return (n_real > 0) & ((last_real - first_real + 1) != n_real)
 
 
-def is_right_padded(mask: Tensor) -> bool:
-    """True when every row of ``[B, T]`` is real tokens followed only by pads (no left pads, no holes)."""
+def pads_before_real(mask: Tensor) -> Tensor:
+    """``[B]`` bool on the device: the row of ``mask`` ``[B, T]`` has a real token right after a pad (left pads or
+    holes), i.e. it is not right-padded. No host read: eager and traced callers share it."""
     m = mask.to(torch.bool)
     if m.shape[1] < 2:
+        return torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+    return (m[:, 1:] & ~m[:, :-1]).any(1)
+
+
+def is_right_padded(mask: Tensor) -> bool:
+    """True when every row of ``[B, T]`` is real tokens followed only by pads (no left pads, no holes; one host
+    read of :func:`pads_before_real`, none for one token)."""
+    if mask.shape[1] < 2:
         return True
-    return not bool((m[:, 1:] & ~m[:, :-1]).any())
+    return not bool(pads_before_real(mask).any())
 
 
 @dataclass

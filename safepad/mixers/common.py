@@ -13,7 +13,7 @@ from .._tracing import device_check, tracing
 from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, context_token_mask, current_context, resolve_seq_idx
 from ..parallel.context import SPContext, resolve_sp
-from ..layout.masks import Compaction, is_right_padded, normalize_mask
+from ..layout.masks import Compaction, is_right_padded, normalize_mask, pads_before_real
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.norm import gated_rms_norm
 
@@ -164,7 +164,7 @@ def _analyse_mask_traced(
     mask = normalize_mask(attention_mask, shape)
     if mask is None:
         return None, None, None
-    right_padded = (~(mask[:, 1:] & ~mask[:, :-1])).all() if shape[1] > 1 else mask.new_ones(())
+    right_padded = ~pads_before_real(mask).any()  # [] bool
     return mask, Compaction.from_mask(mask), right_padded
 
 

@@ -24,6 +24,7 @@ from safepad.layout.boundaries import (
     sequence_ids,
     validate_seq_idx,
 )
+from safepad.layout.masks import pads_before_real
 
 from .._tracing import device_check, tracing
 from . import kernels
@@ -188,7 +189,7 @@ def _row_states_right_padded(x: Tensor, L: int, initial_state: Tensor | None, to
     Bsz, T, D = x.shape
     if token_mask is not None and T > 1:
         device_check(
-            ~(token_mask[:, 1:] & ~token_mask[:, :-1]).any(),
+            ~pads_before_real(token_mask).any(),
             "under torch.compile, conv states are gathered from right-padded rows only (real tokens first); "
             "compact the rows first (safepad.layout.Compaction)",
         )

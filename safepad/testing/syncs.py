@@ -180,7 +180,7 @@ def packed_train_step(model: torch.nn.Module, lengths: tuple[int, ...] = (5, 9, 
     at 0 too when the forward takes them), labels, forward and ``loss.backward()``. Returns the loss."""
     import inspect
 
-    from ..context import position_ids_from_seq_idx
+    from ..layout.normalize import position_ids_from_seq_idx
 
     first = next(model.parameters())
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..cache import cache_argument
-from ..context import position_ids_from_seq_idx
+from ..layout.normalize import position_ids_from_seq_idx
 
 __all__ = ["packed_mask_mapping"]
 

@@ -15,7 +15,7 @@ import sys
 import torch
 from torch import nn
 
-from ..context import boundaries_from_kwargs
+from ..layout.normalize import normalize_boundaries
 from ..layout.boundaries import position_ids_restart
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def boundaries_of_enclosing_call(module: nn.Module, shape: tuple[int, int], posi
         return None, "none"
     name = type(owner).__name__
     try:
-        seq_idx, source = boundaries_from_kwargs(
+        seq_idx, source = normalize_boundaries(
             shape,
             seq_idx=found.get("seq_idx"),
             cu_seq_lens_q=found.get("cu_seq_lens_q"),

@@ -39,17 +39,15 @@ from ..cache import (
     fresh_cache_is_recurrent_only,
     needs_token_count,
 )
-from ..context import (
-    CallContext,
-    boundaries_from_kwargs,
-    current_context,
-    enter_call,
-    exit_call,
-    multi_sequence,
-    position_ids_from_seq_idx,
-)
+from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
-from ..layout.masks import check_mask_values, is_right_padded
+from ..layout.masks import check_mask_values, pads_before_real
+from ..layout.normalize import (
+    multi_sequence,
+    normalize_boundaries,
+    position_ids_from_seq_idx,
+    restarts_at_real_tokens,
+)
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
@@ -183,7 +181,7 @@ class _ModelPreHook:
         # a one-token step keeps its 2-D mask unread (no host sync; rows marked real are unaffected), as under compile
         padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and (T == 1 or not bool(mask.all()))
         position_ids = kwargs.get("position_ids")
-        seq_idx, source = boundaries_from_kwargs(
+        seq_idx, source = normalize_boundaries(
             (B, T),
             seq_idx=kwargs.get("seq_idx"),
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
@@ -239,7 +237,7 @@ class _ModelPreHook:
         position_ids = kwargs.get("position_ids")
         position_ids = position_ids if isinstance(position_ids, torch.Tensor) else None
         explicit = any(isinstance(kwargs.get(k), torch.Tensor) for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
-        seq_idx, source = boundaries_from_kwargs(
+        seq_idx, source = normalize_boundaries(
             (B, T),
             seq_idx=kwargs.get("seq_idx"),
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
@@ -267,7 +265,7 @@ class _ModelPreHook:
             if mask2d:
                 m = mask[:, -T:].to(torch.bool)  # [B, T]
                 device_check(
-                    ~(m[:, 1:] & ~m[:, :-1]).any() if T > 1 else m.new_ones(()),
+                    ~pads_before_real(m).any(),
                     f"packed boundaries ({source}) came together with an attention_mask that has padding before "
                     "or between real tokens; packed rows may only end in padding (under torch.compile this holds "
                     f"for rows of one sequence with {source} too). Put the pads at the end of each row, or pad "
@@ -279,7 +277,7 @@ class _ModelPreHook:
         elif mask2d and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:  # pos [B, T]
             m = mask[:, -T:].to(device=pos.device, dtype=torch.bool)  # [B, T]
             device_check(
-                ~((pos == 0) & m & (m.cumsum(1) > 1)).any(),
+                ~restarts_at_real_tokens(pos, m).any(),
                 "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
                 "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
                 "when they come with an attention_mask (or come without one)",
@@ -411,8 +409,9 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
     dropped (packed calls carry their boundaries in ``seq_idx`` / ``position_ids``). Pads before or between
     the packed sequences of a row have no such reading: raise.
     """
-    if not is_right_padded(mask):
-        row = int((mask[:, 1:] & ~mask[:, :-1]).any(1).nonzero()[0])
+    bad_rows = pads_before_real(mask)  # [B]
+    if bool(bad_rows.any()):
+        row = int(bad_rows.nonzero()[0])
         raise ValueError(
             f"packed boundaries ({source}) came together with an attention_mask whose row {row} has padding before "
             "or between real tokens; packed rows may only end in padding. Put the pads at the end of each row (the "
