@@ -111,7 +111,8 @@ def main() -> None:
     R = rows[0][0]
     print(
         f"batch: {B} sequences ({args.prompts} prompts x 16 completions), padded [{B}, {T}] = {B * T} tokens, "
-        f"{real} real ({real / (B * T):.0%}); packed [{R}, {L}] = {R * L} tokens; completion width K={K}, V={args.vocab}"
+        f"{real} real ({real / (B * T):.0%}); packed [{R}, {L}] = {R * L} tokens; "
+        f"completion width K={K}, V={args.vocab}"
     )
     print(f"max |packed - padded| log-prob: {diff:.2e}")
 

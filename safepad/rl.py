@@ -116,7 +116,8 @@ def _plan(input_ids: Tensor, mask: Tensor, max_tokens_per_row: int | None) -> _P
     by = np.lexsort((seg_start, seg_row))
     seg_row, seg_start, seg_len = seg_row[by], seg_start[by], seg_len[by]
     seg_first = np.r_[True, seg_row[1:] != seg_row[:-1]] if seg_row.size else np.zeros(0, dtype=bool)
-    seg_in_row = np.arange(seg_row.shape[0]) - np.maximum.accumulate(np.where(seg_first, np.arange(seg_row.shape[0]), 0))
+    seg_no = np.arange(seg_row.shape[0])
+    seg_in_row = seg_no - np.maximum.accumulate(np.where(seg_first, seg_no, 0))  # [segments] 0.. in each row
     seg_of_tok = np.repeat(np.arange(seg_row.shape[0]), seg_len)  # [R * L] in flat order (segments tile the rows)
     flat_pos = np.arange(R * L) - np.repeat(seg_row * L + seg_start, seg_len)
     cu = np.zeros(seg_row.shape[0] + 1, dtype=np.int32)

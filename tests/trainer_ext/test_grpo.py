@@ -53,7 +53,8 @@ def test_one_grpo_step_packed_equals_padded(tmp_path):
 
     class PackedGRPOTrainer(PackedGRPOMixin, trl.GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
-            packed = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **k)
+            args = (model, input_ids, attention_mask, logits_to_keep, *a)
+            packed = super()._get_per_token_logps_and_entropies(*args, **k)
             with torch.no_grad():
                 padded = trl.GRPOTrainer._get_per_token_logps_and_entropies(
                     self, model, input_ids, attention_mask, logits_to_keep, *a, **k
