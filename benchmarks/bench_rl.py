@@ -10,11 +10,14 @@ Model: a Nemotron-H (hidden 128, mamba / attention / mamba / mlp, vocabulary ``-
   head, in chunks.
 * **padded**: ``model(ids, attention_mask=mask, logits_to_keep=K).logits``, divided by the temperature,
   ``log_softmax`` and gather at the completion tokens (the ``[B, K, V]`` logits materialised).
+* **trl-fused** (when TRL is installed): what TRL 1.16's ``GRPOTrainer`` runs, the padded forward through TRL's
+  fused LM head (``add_fused_lm_head``: chunked, no ``[B, K, V]`` logits), so the gain of packing alone shows.
 
 Both sides use the same wrapped model and give the same log-probs (checked, max |diff| printed). Timing:
 process CPU time with one torch thread, in one process, the two sides interleaved round by round (order
 alternating), median of ``--rounds``; ``no-grad`` (old / reference log-probs) and ``fwd+bwd`` (the policy loss,
-``sum(logps)`` backpropagated). The last line is ``rl: packed vs padded speed-up no-grad X.XXx, fwd+bwd Y.YYx``.
+``sum(logps)`` backpropagated). The last line is
+``rl: packed speed-up no-grad X.XXx vs padded, ...; fwd+bwd Y.YYx vs padded, ...``.
 
     python benchmarks/bench_rl.py            # 2 prompts x 16 completions, about a minute on one core
     python benchmarks/bench_rl.py --quick    # 1 prompt x 16 shorter completions
@@ -102,8 +105,23 @@ def main() -> None:
     def padded():
         return padded_logprobs(model, ids, mask, completion, K, temperature)
 
+    sides = {"packed": packed, "padded": padded}
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        add_fused_lm_head = None
+    if add_fused_lm_head is not None:
+        add_fused_lm_head(model, temperature=temperature)  # model(..., fused_lm_head=True) only; else unchanged
+        labels = ids.masked_fill(completion == 0, -100)
+
+        def trl_fused():
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, fused_lm_head=True)
+            return out.log_probs[:, -K:]
+
+        sides["trl-fused"] = trl_fused
+
     with torch.no_grad():
-        diff = (packed() - padded()).abs().max().item()
+        diff = max((packed() - fn()).abs().max().item() for name, fn in sides.items() if name != "packed")
         rows = []
         hook = model.register_forward_pre_hook(lambda m, a, k: rows.append(k["input_ids"].shape), with_kwargs=True)
         packed()
@@ -114,7 +132,7 @@ def main() -> None:
         f"{real} real ({real / (B * T):.0%}); packed [{R}, {L}] = {R * L} tokens; "
         f"completion width K={K}, V={args.vocab}"
     )
-    print(f"max |packed - padded| log-prob: {diff:.2e}")
+    print(f"max |packed - {' / '.join(n for n in sides if n != 'packed')}| log-prob: {diff:.2e}")
 
     def timed(fn, grad: bool) -> float:
         start = time.process_time()
@@ -128,18 +146,23 @@ def main() -> None:
 
     results = {}
     for grad in (False, True):
-        times = {"packed": [], "padded": []}
+        times = {name: [] for name in sides}
         for r in range(args.rounds + 1):  # round 0 warms up
-            order = (("packed", packed), ("padded", padded))
+            order = list(sides.items())
             for name, fn in order if r % 2 == 0 else order[::-1]:
                 t = timed(fn, grad)
                 if r:
                     times[name].append(t)
-        pk, pd = statistics.median(times["packed"]), statistics.median(times["padded"])
+        med = {name: statistics.median(ts) for name, ts in times.items()}
         label = "fwd+bwd" if grad else "no-grad"
-        results[label] = pd / pk
-        print(f"{label:8s} CPU s (median of {args.rounds}): packed {pk:.3f}  padded {pd:.3f}  speed-up {pd / pk:.2f}x")
-    print(f"rl: packed vs padded speed-up no-grad {results['no-grad']:.2f}x, fwd+bwd {results['fwd+bwd']:.2f}x")
+        results[label] = {name: med[name] / med["packed"] for name in sides if name != "packed"}
+        cols = "  ".join(f"{name} {t:.3f}" for name, t in med.items())
+        ups = ", ".join(f"{x:.2f}x vs {name}" for name, x in results[label].items())
+        print(f"{label:8s} CPU s (median of {args.rounds}): {cols}  packed speed-up {ups}")
+    print(
+        "rl: packed speed-up "
+        + "; ".join(f"{label} " + ", ".join(f"{x:.2f}x vs {n}" for n, x in r.items()) for label, r in results.items())
+    )
 
 
 if __name__ == "__main__":
