@@ -53,7 +53,8 @@ class PackedGRPOMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        base = next((k for k in cls.__mro__[1:] if k is not PackedGRPOMixin and GRPO_METHOD in vars(k)), None)
+        # the trainer class whose method the mixin replaces (the first one past every mixin subclass)
+        base = next((k for k in cls.__mro__ if not issubclass(k, PackedGRPOMixin) and GRPO_METHOD in vars(k)), None)
         if base is None:
             return  # another mixin or an abstract subclass: checked on the class that adds the trainer
         params = inspect.signature(vars(base)[GRPO_METHOD]).parameters

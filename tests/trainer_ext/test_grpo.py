@@ -32,6 +32,10 @@ def test_trl_still_has_the_method_the_mixin_overrides():
     assert params[: len(GRPO_METHOD_PARAMS)] == GRPO_METHOD_PARAMS, (trl.__version__, params)
 
     class Packed(PackedGRPOMixin, trl.GRPOTrainer):  # defining it runs the same check
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):  # an override of the mixin's own
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    class Further(Packed):  # subclasses of the subclass are checked against TRL's method too
         pass
 
     class Renamed:
