@@ -153,9 +153,12 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 
 
 def _logit_transform(config) -> tuple[float, float | None]:
-    """``(scale, softcap)`` the model's forward applies to ``lm_head(h)``, read from its config as TRL does."""
+    """``(scale, softcap)`` the model's forward applies to ``lm_head(h)``, read from its config as TRL does
+    (plus RecurrentGemma's ``logits_soft_cap``)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)
+    if softcap is None:
+        softcap = getattr(text, "logits_soft_cap", None)  # RecurrentGemma (TRL 1.16's fused head misses it)
     scale = getattr(text, "logit_scale", None)
     if scale is None:
         scale = getattr(text, "output_multiplier", None)

@@ -81,6 +81,7 @@ def _models(family: str, **config):
         pytest.param("qwen3_next", {}, id="qwen3_next-gated_delta"),
         pytest.param("lfm2", {}, id="lfm2-short_conv"),
         pytest.param("mamba", {}, id="mamba-mamba1"),
+        pytest.param("recurrent_gemma", {"logits_soft_cap": 3.0}, id="recurrent_gemma-logits_soft_cap"),
     ],
 )
 def test_equals_each_sequence_alone(family, config):
