@@ -8,9 +8,10 @@ method returns::
     class PackedGRPOTrainer(safepad.PackedGRPOMixin, GRPOTrainer):
         pass
 
-It relies on the private TRL method's name and leading parameters (checked when the class is defined: a TRL
-that changes them raises ``TypeError`` there, not a wrong result later). Text-only: multimodal inputs and the
-MoE auxiliary loss raise ``ValueError``.
+TRL 1.16's ``RLOOTrainer`` has the same method and takes the same mixin. The mixin relies on the private
+method's name and leading parameters (checked when the class is defined: a TRL that changes them raises
+``TypeError`` there, not a wrong result later). Text-only: multimodal inputs and the MoE auxiliary loss raise
+``ValueError``.
 """
 
 from __future__ import annotations

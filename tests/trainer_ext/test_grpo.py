@@ -48,19 +48,22 @@ def test_trl_still_has_the_method_the_mixin_overrides():
             pass
 
 
-def test_one_grpo_step_packed_equals_padded(tmp_path):
+@pytest.mark.parametrize("kind", [pytest.param("GRPO", id="GRPOTrainer"), pytest.param("RLOO", id="RLOOTrainer")])
+def test_one_grpo_step_packed_equals_padded(kind, tmp_path):
+    """RLOOTrainer has the same private method (TRL 1.16) and takes the same mixin."""
+    Trainer, Config = getattr(trl, f"{kind}Trainer"), getattr(trl, f"{kind}Config")
     torch.manual_seed(0)
     log = logging.getLogger("transformers")
     level = log.level
     log.setLevel(logging.ERROR)
     calls = []
 
-    class PackedGRPOTrainer(PackedGRPOMixin, trl.GRPOTrainer):
+    class PackedGRPOTrainer(PackedGRPOMixin, Trainer):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
             args = (model, input_ids, attention_mask, logits_to_keep, *a)
             packed = super()._get_per_token_logps_and_entropies(*args, **k)
             with torch.no_grad():
-                padded = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                padded = Trainer._get_per_token_logps_and_entropies(
                     self, model, input_ids, attention_mask, logits_to_keep, *a, **k
                 )
             with torch.no_grad():  # and each sequence alone through the stock model (no padding, no cache)
@@ -80,10 +83,10 @@ def test_one_grpo_step_packed_equals_padded(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [" ".join(f"t{int(i)}" for i in torch.randint(3, 250, (n,), generator=g)) for n in (2, 9, 1, 5)]
     model = safepad.wrap(tiny_model("nemotron_h", pad_token_id=0, eos_token_id=2))
-    config = trl.GRPOConfig(
+    config = Config(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, max_steps=1, report_to=[], save_strategy="no",
         per_device_train_batch_size=8, num_generations=4, max_completion_length=6, temperature=0.8,
-        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, beta=0.0,  # beta=0: no reference model to load
     )  # fmt: skip
     trainer = PackedGRPOTrainer(
         model=model,
