@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from .callback import KIND_DROPPED_BOUNDARIES, KIND_TOKENIZER, PaddingGuardCallback
+from .grpo import GRPO_METHOD, GRPO_METHOD_PARAMS, PackedGRPOMixin
 from .shadow import KIND_SHADOW_MISMATCH, SHADOW_TOLERANCES, ShadowCheckCallback, ShadowResult
 
 __all__ = [
+    "GRPO_METHOD",
+    "GRPO_METHOD_PARAMS",
     "KIND_DROPPED_BOUNDARIES",
     "KIND_SHADOW_MISMATCH",
     "KIND_TOKENIZER",
     "SHADOW_TOLERANCES",
+    "PackedGRPOMixin",
     "PaddingGuardCallback",
     "ShadowCheckCallback",
     "ShadowResult",

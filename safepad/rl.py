@@ -1,0 +1,317 @@
+"""Per-token log-probs of many ``[prompt | completion]`` sequences, packed into rows: the RL training forward.
+
+RL trainers (GRPO, DPO, ...) score a batch of sequences laid out ``[B, T]``: one sequence per row, padded on
+the left (prompts) and on the right (completions). The padded forward spends its compute on pads and
+materialises ``[B, T, V]`` logits. :func:`packed_logprobs` instead
+
+1. reads each row's sequence (its real tokens under ``attention_mask``, which must be contiguous);
+2. packs the sequences into rows of ``max_tokens_per_row`` tokens with best-fit-decreasing
+   (:func:`safepad.collators.packing.bfd_assign`; no sequence is cut, no token dropped);
+3. runs the wrapped model once on the packed ``[R, L]`` rows, the boundaries given as ``seq_idx``,
+   restarting ``position_ids`` and ``cu_seq_lens_q/k`` (each row's unused tail is a segment of its own);
+4. projects only the hidden states of the scored tokens through the LM head, in chunks of ``chunk_size``
+   tokens (recomputed in backward), and gathers ``log_softmax(logits / temperature)`` of each token;
+5. scatters the result back into the caller's ``[B, T]`` layout.
+
+The result equals each sequence run alone through the stock model (tests/rl). The model must be wrapped
+(:func:`safepad.wrap`): a stock SSM would carry its state from one packed sequence into the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import PaddingError
+from .wrap import is_wrapped
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "packed_logprobs", "packed_logprobs_and_entropy"]
+
+#: scored tokens projected through the LM head at once: at most ``DEFAULT_CHUNK_SIZE x V`` logits live at a time
+DEFAULT_CHUNK_SIZE = 1024
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where each real token of the ``[B, T]`` batch sits in the packed ``[R, L]`` rows."""
+
+    ids: Tensor  # [R, L] packed token ids (0 in the unused tail of a row)
+    position_ids: Tensor  # [R, L] restarting at 0 at every segment (the tail too)
+    seq_idx: Tensor  # [R, L] int32, 0.. per row, the tail its own segment
+    cu_seqlens: Tensor  # [S + 1] int32 over the flattened [R * L] packed rows, every segment
+    max_length: int  # longest segment
+    src: Tensor  # [N] flat index into [B * T] of each packed real token
+    dst: Tensor  # [N] flat index into [R * L] of the same token
+
+
+def _check_inputs(input_ids: Tensor, attention_mask: Tensor | None, completion_mask: Tensor | None) -> Tensor:
+    """``[B, T]`` bool mask of real tokens, after checking the shapes and that each row's tokens are contiguous."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, seqlen] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    B, T = input_ids.shape
+    if attention_mask is None:
+        mask = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    else:
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {(B, T)}")
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold only 0 and 1 (1 = real token)")
+        mask = attention_mask.to(torch.bool)
+    if completion_mask is not None and tuple(completion_mask.shape) != (B, T):
+        raise ValueError(f"completion_mask has shape {tuple(completion_mask.shape)}, input_ids {(B, T)}")
+    lengths = mask.sum(1)  # [B]
+    first = mask.to(torch.int8).argmax(1)  # [B]
+    pos = torch.arange(T, device=mask.device)
+    span = (pos >= first[:, None]) & (pos < (first + lengths)[:, None])  # [B, T]
+    holes = (span != mask).any(1)
+    if bool(holes.any()):
+        row = int(holes.nonzero()[0, 0])
+        raise PaddingError(
+            f"row {row} of attention_mask has pads between real tokens: packed_logprobs needs one sequence per "
+            "row, laid out [pads | tokens | pads]. Split the row into its sequences (one per row) first."
+        )
+    return mask
+
+
+def _plan(input_ids: Tensor, mask: Tensor, max_tokens_per_row: int | None) -> _Plan:
+    from .collators.packing import bfd_assign
+
+    B, T = input_ids.shape
+    device = input_ids.device
+    lengths = mask.sum(1).cpu().numpy().astype(np.int64)  # [B]
+    first = mask.to(torch.int8).argmax(1).cpu().numpy().astype(np.int64)  # [B]
+    rows = np.flatnonzero(lengths)  # rows holding a sequence (an all-pad row is left out)
+    longest = int(lengths.max()) if lengths.size else 0
+    L = longest if max_tokens_per_row is None else int(max_tokens_per_row)
+    if L < longest:
+        raise ValueError(
+            f"a sequence of {longest} tokens does not fit max_tokens_per_row={L}: packed_logprobs never cuts a "
+            f"sequence; raise max_tokens_per_row to at least {longest} (or leave it None: the longest sequence)"
+        )
+    order, counts = bfd_assign(lengths[rows], max(L, 1))
+    seqs = rows[order]  # [S] batch rows, grouped by packed row
+    seq_len = lengths[seqs]
+    R = counts.shape[0]
+    packed_row = np.repeat(np.arange(R), counts)  # [S]
+    row_start = np.cumsum(counts) - counts  # [R] index of each packed row's first sequence
+    within = np.cumsum(seq_len) - seq_len  # [S] exclusive cumsum over all sequences
+    offset = within - np.repeat(within[row_start], counts)  # [S] start inside its packed row
+    # every real token: source [B * T] and destination [R * L] flat indices
+    tok_seq = np.repeat(np.arange(seqs.shape[0]), seq_len)  # [N]
+    tok_k = np.arange(tok_seq.shape[0]) - np.repeat(within, seq_len)  # [N] index inside its sequence
+    src = seqs[tok_seq] * T + first[seqs[tok_seq]] + tok_k
+    dst = packed_row[tok_seq] * L + offset[tok_seq] + tok_k
+    # segments: each sequence, plus each row's unused tail
+    used = np.bincount(packed_row, weights=seq_len, minlength=R).astype(np.int64)  # [R]
+    seg_row = np.concatenate([packed_row, np.flatnonzero(used < L)])
+    seg_start = np.concatenate([offset, used[used < L]])
+    seg_len = np.concatenate([seq_len, L - used[used < L]])
+    by = np.lexsort((seg_start, seg_row))
+    seg_row, seg_start, seg_len = seg_row[by], seg_start[by], seg_len[by]
+    seg_first = np.r_[True, seg_row[1:] != seg_row[:-1]] if seg_row.size else np.zeros(0, dtype=bool)
+    seg_no = np.arange(seg_row.shape[0])
+    seg_in_row = seg_no - np.maximum.accumulate(np.where(seg_first, seg_no, 0))  # [segments] 0.. in each row
+    seg_of_tok = np.repeat(np.arange(seg_row.shape[0]), seg_len)  # [R * L] in flat order (segments tile the rows)
+    flat_pos = np.arange(R * L) - np.repeat(seg_row * L + seg_start, seg_len)
+    cu = np.zeros(seg_row.shape[0] + 1, dtype=np.int32)
+    np.cumsum(seg_len, out=cu[1:])
+    ids = torch.zeros(R * L, dtype=input_ids.dtype, device=device)
+    src_t = torch.as_tensor(src, device=device)
+    dst_t = torch.as_tensor(dst, device=device)
+    ids[dst_t] = input_ids.reshape(-1)[src_t]
+    return _Plan(
+        ids=ids.view(R, L),
+        position_ids=torch.as_tensor(flat_pos, device=device).view(R, L),
+        seq_idx=torch.as_tensor(seg_in_row[seg_of_tok], dtype=torch.int32, device=device).view(R, L),
+        cu_seqlens=torch.as_tensor(cu, device=device),
+        max_length=int(seg_len.max()) if seg_len.size else 0,
+        src=src_t,
+        dst=dst_t,
+    )
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The ``...ForCausalLM`` inside DDP / PEFT wrappers (the module whose backbone and head are read)."""
+    inner = model
+    for _ in range(4):
+        if hasattr(inner, "get_base_model") and callable(inner.get_base_model):  # PEFT
+            inner = inner.get_base_model()
+        elif isinstance(getattr(inner, "module", None), nn.Module) and not hasattr(inner, "get_output_embeddings"):
+            inner = inner.module  # DDP and other ``.module`` wrappers
+        else:
+            break
+    if not callable(getattr(inner, "get_output_embeddings", None)) or inner.get_output_embeddings() is None:
+        raise ValueError(f"packed_logprobs needs a causal LM with an LM head, got {type(inner).__name__}")
+    return inner
+
+
+def _logit_transform(config) -> tuple[float, float | None]:
+    """``(scale, softcap)`` the model's forward applies to ``lm_head(h)``, read from its config as TRL does
+    (plus RecurrentGemma's ``logits_soft_cap``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    if softcap is None:
+        softcap = getattr(text, "logits_soft_cap", None)  # RecurrentGemma (TRL 1.16's fused head misses it)
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)  # Falcon-H1
+    if scale is None and getattr(text, "logits_scaling", None) is not None:  # Granite(MoE)Hybrid divides
+        scale = 1.0 / text.logits_scaling
+    return (1.0 if scale is None else float(scale)), (None if not softcap else float(softcap))
+
+
+def _head_chunk(
+    h: Tensor, targets: Tensor, head: nn.Module, scale: float, softcap: float | None, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """``(log p(target), entropy)`` ``[n]`` float32 from hidden states ``h`` ``[n, H]``."""
+    logits = head(h).float()  # [n, V]
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = logits.log_softmax(-1)
+    picked = logp.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
+
+
+def _forward(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    completion_mask: Tensor | None,
+    temperature: float,
+    max_tokens_per_row: int | None,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lm = _causal_lm(model)
+    if not is_wrapped(lm):
+        raise PaddingError(
+            f"packed_logprobs runs packed rows, which the stock {type(lm).__name__} gets wrong (the recurrent state "
+            "runs from one sequence into the next): call model = safepad.wrap(model) first"
+        )
+    mask = _check_inputs(input_ids, attention_mask, completion_mask)
+    B, T = input_ids.shape
+    scored = mask.clone()
+    scored[:, 1:] &= mask[:, :-1]  # the first token of each sequence has no prediction
+    scored[:, 0] = False
+    if completion_mask is not None:
+        scored &= completion_mask.to(torch.bool)
+    plan = _plan(input_ids, mask, max_tokens_per_row)
+    # the scored tokens' flat indices, in both layouts, and the packed position of the hidden state predicting each
+    is_scored = scored.reshape(-1)[plan.src]  # [N]
+    src = plan.src[is_scored]  # [K] into [B * T]
+    dst = plan.dst[is_scored]  # [K] into [R * L]
+    logps = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
+    entropy = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
+    if plan.ids.numel() == 0:
+        return logps.view(B, T), entropy.view(B, T)
+
+    captured: list[Tensor] = []
+
+    def grab(module, args, output):  # the backbone's last hidden state [R, L, H]
+        captured.append(output[0])  # a ModelOutput's first field, or a tuple's first element
+
+    backbone = lm.base_model
+    handle = backbone.register_forward_hook(grab)
+    try:
+        # through the caller's model object (DDP / PEFT / TRL's patched forward run as usual); logits_to_keep=1:
+        # the model's own head projects one position per row, the scored ones are projected below
+        model(
+            input_ids=plan.ids,
+            position_ids=plan.position_ids,
+            seq_idx=plan.seq_idx,
+            cu_seq_lens_q=plan.cu_seqlens,
+            cu_seq_lens_k=plan.cu_seqlens,
+            max_length_q=plan.max_length,
+            max_length_k=plan.max_length,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"the backbone {type(backbone).__name__} ran {len(captured)} times in one forward")
+    hidden = captured[0]
+    H = hidden.shape[-1]
+    h = hidden.reshape(-1, H)[dst - 1]  # [K, H]: the hidden state before each scored token (same segment)
+    targets = plan.ids.reshape(-1)[dst]  # [K]
+    head = lm.get_output_embeddings()
+    scale, softcap = _logit_transform(lm.config)
+    picked, ents = [], []
+    for start in range(0, h.shape[0], chunk_size):
+        args = (h[start : start + chunk_size], targets[start : start + chunk_size], head, scale, softcap, temperature)
+        if torch.is_grad_enabled() and h.requires_grad:
+            p, e = checkpoint(_head_chunk, *args, use_reentrant=False)  # [n, V] logits recomputed in backward
+        else:
+            p, e = _head_chunk(*args)
+        picked.append(p)
+        ents.append(e)
+    if picked:
+        logps = logps.index_put((src,), torch.cat(picked))
+        entropy = entropy.index_put((src,), torch.cat(ents))
+    return logps.view(B, T), entropy.view(B, T)
+
+
+def packed_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    completion_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    max_tokens_per_row: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Per-token log-probs ``[B, T]`` float32 of the sequences of ``input_ids``, computed on packed rows.
+
+    ``out[b, t] = log softmax(logits / temperature)[input_ids[b, t]]``, the logits being those of the tokens
+    before ``t`` in row ``b``'s own sequence, as if that sequence ran alone (no padding, no cache) through the
+    model. ``out`` is 0 at the first token of each sequence, at pads and where ``completion_mask`` is 0, and
+    differentiable (gradients reach the model's parameters as through the padded forward).
+
+    Args:
+        model: a :func:`safepad.wrap`-ped causal LM (or a DDP / PEFT wrapper of one).
+        input_ids: ``[B, T]`` one sequence per row, ``[pads | tokens | pads]`` (left- and/or right-padded).
+        attention_mask: ``[B, T]`` 1 at real tokens (contiguous in each row), 0 at pads; None: no pads.
+        completion_mask: ``[B, T]`` 1 where a log-prob is wanted (e.g. the completion); None: every real token.
+            Only these tokens go through the LM head.
+        temperature: the logits are divided by it before the softmax (as TRL's GRPO / RLOO do).
+        max_tokens_per_row: length ``L`` of a packed row; None: the longest sequence. Every sequence must fit.
+        chunk_size: scored tokens projected through the LM head at once (at most ``chunk_size x V`` logits).
+
+    Raises:
+        PaddingError: the model is not wrapped, or a row's real tokens are not contiguous.
+        ValueError: bad shapes or mask values, a sequence longer than ``max_tokens_per_row``.
+    """
+    return _forward(model, input_ids, attention_mask, completion_mask, temperature, max_tokens_per_row, chunk_size)[0]
+
+
+def packed_logprobs_and_entropy(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    completion_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    max_tokens_per_row: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """:func:`packed_logprobs` and the entropy ``[B, T]`` float32 of each scored token's distribution (the
+    distribution it was drawn from: ``softmax(logits / temperature)``), 0 where no log-prob is computed."""
+    return _forward(model, input_ids, attention_mask, completion_mask, temperature, max_tokens_per_row, chunk_size)
