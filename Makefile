@@ -145,6 +145,7 @@ bench: setup
 	$(BIN)/python benchmarks/bench_train.py
 	$(BIN)/python benchmarks/bench_compile.py
 	$(BIN)/python benchmarks/bench_sequence_parallel.py
+	$(BIN)/python benchmarks/bench_rl.py
 
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) build .pytest_cache .hypothesis *.egg-info
