@@ -93,7 +93,12 @@ class KnownDefect:
 
 _SLIDING_WINDOW = ("lfm3", "lfm3_vl", "recurrent_gemma", "inkling_text", "inkling2_text", "inkling2_loop_text",
                    "lara_mini")
-_ROPE_HYBRIDS = ("qwen3_next", "bamba", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+
+
+def _has_rope(family: str) -> bool:
+    """Whether the tiny ``family`` model has rotary position embeddings (a module named ``*Rotary*``)."""
+    stock, _ = _models(family)
+    return any("Rotary" in type(m).__name__ for m in stock.modules())
 
 #: The open defects of issue 28 that the fuzzer reaches; the coordinator removes an entry when its fix merges.
 KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
@@ -102,6 +107,13 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         lambda f, r, c: bool(c.get("output_attentions")) and c.get("cached", False)
         and (c.get("right", False) or bool((c.get("stream") or {}).get("right"))),
         "output_attentions on a cached call with right padding returns the re-laid [pads | real] slot order",
+    ),
+    KnownDefect(
+        "new-1",
+        lambda f, r, c: bool(c.get("output_attentions")) and r == "chunk"
+        and (c.get("left", False) or c.get("holes", False) or bool((c.get("stream") or {}).get("padded"))),
+        "output_attentions on a cached chunk after a hole (a pad column between real tokens) returns the weights "
+        "in the re-laid slot order (inkling2_loop_text 0.37; item 28.1's mechanism, not right padding)",
     ),
     KnownDefect(
         "28.3",
@@ -115,9 +127,10 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
     ),
     KnownDefect(
         "28.7",
-        lambda f, r, c: r in ("forward",) and c.get("holes", False) and not c.get("position_ids", False)
-        and f in _ROPE_HYBRIDS,
-        "a hole in the mask of an uncached call on a RoPE hybrid without position_ids gets wrong positions",
+        lambda f, r, c: r == "forward" and c.get("holes", False) and not c.get("position_ids", False)
+        and _has_rope(f),
+        "a hole in the mask of an uncached call on a RoPE hybrid without position_ids gets wrong positions "
+        "(found by the fuzzer beyond Qwen3-Next / Bamba: olmo_hybrid 3.2e-2, lfm2_moe 1.5e-4)",
     ),
     KnownDefect(
         "28.10",
@@ -147,14 +160,15 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
 
 
 @functools.lru_cache(maxsize=None)
-def _models(family: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
-    """(stock, wrapped) tiny models of ``family``: the same weights, the wrapped one a deep copy."""
+def _models(family: str, dtype: torch.dtype = torch.float32, wrap: bool = True) -> tuple[nn.Module, nn.Module]:
+    """(stock, subject) tiny models of ``family``: the same weights, the subject a deep copy, wrapped by
+    :func:`safepad.wrap` (``wrap=False``: left stock, to check that the oracle catches stock's defects)."""
     import safepad
     from .tiny import tiny_model
 
     stock = tiny_model(family, dtype=dtype)
-    wrapped = safepad.wrap(copy.deepcopy(stock))
-    return stock, wrapped
+    subject = copy.deepcopy(stock)
+    return stock, safepad.wrap(subject) if wrap else subject
 
 
 def _io(model: nn.Module):
@@ -280,12 +294,13 @@ class Session:
         tol: relative tolerance; default :func:`safepad.testing.scenarios.default_tol` of ``dtype``.
     """
 
-    def __init__(self, family: str, dtype: torch.dtype = torch.float32, tol: float | None = None) -> None:
+    def __init__(self, family: str, dtype: torch.dtype = torch.float32, tol: float | None = None,
+                 wrap: bool = True) -> None:
         from .scenarios import _banned_tokens, default_tol
 
         self.family = family
         self.dtype = dtype
-        self.stock, self.model = _models(family, dtype)
+        self.stock, self.model = _models(family, dtype, wrap)
         self.ref, self.io = _io(self.stock), _io(self.model)
         self.vocab = self.ref.vocab
         self.tol = default_tol(dtype) if tol is None else tol
@@ -296,20 +311,25 @@ class Session:
             "import torch",
             "from safepad.testing.fuzz import Session",
             "",
-            f"s = Session({family!r}, dtype={dtype})",
+            f"s = Session({family!r}, dtype={dtype}{'' if wrap else ', wrap=False'})",
         ]
-        self.stats = _stats(family)
+        self.stats = _stats(family if wrap else f"{family} (stock)")
         self._memo: dict[tuple[int, ...], Tensor] = {}
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
 
     def _record(self, rule: str, kwargs: dict[str, Any]) -> None:
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        self.lines.append(f"s.{rule}({args})")
+        # calls that neither read nor change the live stream are left out of a repro unless they fail
+        stateless = rule in ("forward", "packed") or (rule == "generate" and not kwargs.get("keep"))
+        self.lines.append(("# " if stateless else "") + f"s.{rule}({args})")
 
     def repro(self) -> str:
-        """The calls so far as a standalone Python script."""
-        return "\n".join(self.lines)
+        """The calls so far as a standalone Python script (the last call, and every call the live cache depends
+        on; earlier stateless calls are dropped)."""
+        lines = [ln for ln in self.lines[:-1] if not ln.startswith("# s.")]
+        last = self.lines[-1] if self.lines else ""
+        return "\n".join([*lines, last[2:] if last.startswith("# s.") else last])
 
     def _fail(self, what: str) -> None:
         msg = (
@@ -674,7 +694,8 @@ class Session:
             gkw.update(do_sample=False)
         if mode == "sample":
             torch.manual_seed(0)
-        self.stream = None
+        if keep:
+            self.stream = None
         ok, out = self._run("generate", lambda: self._generate(self.model, gkw))
         if not ok:
             return
@@ -704,14 +725,53 @@ class Session:
                 ref = self._alone(p + new[:-1])[len(p) - 1 :]  # [new, V]: each step's logits given the sampled prefix
                 self._check(f"generate sample: logits of row {r}", logits[r], ref)
         if keep and use_cache:
-            cache = getattr(out, "past_key_values", None)
+            from ..cache import output_cache
+
+            cache = output_cache(out)
             if cache is None:
-                return
+                self._fail("generate: use_cache=True, return_dict_in_generate=True returned no cache")
             full = torch.cat([mask.repeat_interleave(nrs, 0), torch.ones(len(rows), max_new_tokens - 1,
                                                                          dtype=mask.dtype)], dim=1)
             hist = [p + new[:-1] for p, new in zip(rows, seqs)]
             self.stream = _Stream(hist, full, cache, pending=[new[-1] for new in seqs], right=flags["right"],
                                   padded=flags["right"] or flags["left"] or flags["holes"])
+
+    def generate_more(self, tokens: list[int], max_new_tokens: int = 2) -> None:
+        """``generate`` continuing the live stream's cache: ``input_ids`` every column fed so far plus one more
+        token per row (a pending generated token, or ``tokens``), the cache under the model's cache argument;
+        tokens vs the greedy continuation of each row alone."""
+        st = self.stream
+        if st is None or self.io.cache_kw is None:
+            return
+        B = len(st.history)
+        nxt = st.pending if st.pending is not None else [tokens[i % len(tokens)] for i in range(B)]
+        kw = dict(tokens=tokens, max_new_tokens=max_new_tokens)
+        if self._skip("generate_more", {**kw, "cached": True, "use_cache": True}):
+            return
+        self._record("generate_more", kw)
+        W = st.mask.shape[1]
+        ids = torch.full((B, W + 1), PAD_ID, dtype=torch.long)
+        for b, h in enumerate(st.history):
+            ids[b, :W][st.mask[b].bool()] = torch.tensor(h, dtype=torch.long)
+        ids[:, W] = torch.tensor(nxt, dtype=torch.long)
+        mask = torch.cat([st.mask, torch.ones(B, 1, dtype=st.mask.dtype)], dim=1)
+        gkw: dict[str, Any] = dict(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            pad_token_id=PAD_ID, use_cache=True, return_dict_in_generate=True, output_logits=True, do_sample=False,
+        )
+        gkw[self.io.cache_kw] = st.cache
+        self.stream = None
+        ok, out = self._run("generate_more", lambda: self._generate(self.model, gkw))
+        if not ok:
+            return
+        seqs = out.sequences[:, W + 1 :].tolist()
+        logits = torch.stack(out.logits, dim=1).float()
+        for b, (h, new) in enumerate(zip(st.history, seqs)):
+            p = h + [nxt[b]]
+            ref_toks, ref_logits = self._greedy_ref(p, max_new_tokens)
+            upto = self._check_tokens(f"generate_more: row {b}", new, ref_toks, ref_logits)
+            n = min(upto + 1, len(new))
+            self._check(f"generate_more: logits of row {b}", logits[b, :n], torch.stack(ref_logits[:n]))
 
     def fork(self) -> None:
         """``copy.deepcopy`` of the live stream's cache, kept aside."""
@@ -909,18 +969,19 @@ def _strategies(vocab: int):
     return st, token, batch
 
 
-def machine_for(family: str, dtype: torch.dtype = torch.float32) -> type:
-    """A hypothesis ``RuleBasedStateMachine`` subclass fuzzing ``family`` (its rules draw :class:`Session` calls)."""
+def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = True) -> type:
+    """A hypothesis ``RuleBasedStateMachine`` subclass fuzzing ``family`` (its rules draw :class:`Session` calls;
+    ``wrap=False`` fuzzes the stock model, which must fail)."""
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-    stock, _ = _models(family, dtype)
+    stock, _ = _models(family, dtype, wrap)
     vocab = _io(stock).vocab
     st, token, batch = _strategies(vocab)
 
     class FuzzMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.s = Session(family, dtype)
+            self.s = Session(family, dtype, wrap=wrap)
 
         @initialize()
         def start(self) -> None:
@@ -969,6 +1030,11 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32) -> type:
                             keep=keep)
 
         @precondition(lambda self: self.s.stream is not None)
+        @rule(tokens=st.lists(token, min_size=1, max_size=3), n=st.integers(1, 3))
+        def generate_more(self, tokens, n) -> None:
+            self.s.generate_more(tokens, max_new_tokens=n)
+
+        @precondition(lambda self: self.s.stream is not None)
         @rule()
         def fork(self) -> None:
             self.s.fork()
@@ -988,14 +1054,15 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32) -> type:
 
 
 def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
-               dtype: torch.dtype = torch.float32) -> FuzzStats:
+               dtype: torch.dtype = torch.float32, wrap: bool = True) -> FuzzStats:
     """Fuzz ``family``: ``examples`` call sequences of up to ``steps`` calls; ``seed`` fixes the draws (None:
-    random). Raises :class:`FuzzFailure` (the shrunk repro) on the first failure."""
+    random). Raises :class:`FuzzFailure` (the shrunk repro) on the first failure. ``wrap=False`` fuzzes the
+    stock model (a check of the oracle: it must fail)."""
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    machine = machine_for(family, dtype)
-    stats = _stats(family)
+    machine = machine_for(family, dtype, wrap)
+    stats = _stats(family if wrap else f"{family} (stock)")
     t0 = time.perf_counter()
     cfg = settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from safepad.testing import fuzz
-from safepad.testing.tiny import family_available, family_names
+from safepad.testing.tiny import MODEL_TYPE_FAMILIES, family_available, family_names
 
 EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "3"))
 STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "5"))
@@ -23,8 +23,39 @@ def _param(family: str):
     return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
 
 
-@pytest.mark.parametrize("family", [_param(f) for f in family_names()])
+# model-type aliases (qwen3_5 -> qwen3_5_text, ...) build the same tiny model: fuzzed once, under the family name
+FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_TYPE_FAMILIES[f] == f]
+
+
+@pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
 def test_fuzz_family(family: str) -> None:
     stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0)
     print(stats.line())
     assert stats.calls > 0
+
+
+# The oracle catches what the stock model gets wrong: the same calls on the unwrapped twin fail, wrapped they pass.
+_STOCK_WRONG = [
+    pytest.param("mamba2", "packed", {"seqs": [[5, 9, 7], [11, 4]], "via": "position_ids"}, id="packed-mamba2"),
+    pytest.param("lfm2", "packed", {"seqs": [[5, 9, 7], [11, 4]], "via": "seq_idx"}, id="seq_idx-raises-lfm2"),
+    pytest.param("nemotron_h", "prefill_chunk", {}, id="right-pad-chunk-nemotron_h"),
+]
+
+
+@pytest.mark.parametrize(("family", "rule", "kwargs"), _STOCK_WRONG)
+@pytest.mark.parametrize("wrap", [pytest.param(False, id="stock"), pytest.param(True, id="wrapped")])
+def test_oracle_fails_stock_passes_wrapped(family: str, rule: str, kwargs: dict, wrap: bool) -> None:
+    s = fuzz.Session(family, wrap=wrap)
+
+    def calls() -> None:
+        if rule == "prefill_chunk":
+            s.prefill([[5, 9, 7, 12], [8, 3, None, None]])
+            s.chunk([[6], [10]])
+        else:
+            getattr(s, rule)(**kwargs)
+
+    if wrap:
+        calls()
+    else:
+        with pytest.raises(fuzz.FuzzFailure, match="repro"):
+            calls()
