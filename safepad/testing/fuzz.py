@@ -121,6 +121,11 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "generate(use_cache=False) with right-padded prompts: every new token of a padded row is wrong",
     ),
     KnownDefect(
+        "28.4",
+        lambda f, r, c: r == "packed" and bool(c.get("output_router_logits")) and f == "granitemoehybrid",
+        "GraniteMoeHybrid with a packed batch and output_router_logits=True crashes in transformers' aux loss",
+    ),
+    KnownDefect(
         "28.5",
         lambda f, r, c: r == "restore" and not c.get("copy", True),
         "a cache continued twice from the same object continues silently from the advanced states",
@@ -292,14 +297,17 @@ class Session:
         family: a tiny family (:func:`safepad.testing.tiny.family_names`).
         dtype: the models' dtype (float32; float64 where rounding would hide a defect).
         tol: relative tolerance; default :func:`safepad.testing.scenarios.default_tol` of ``dtype``.
+        wrap: wrap the subject (False: fuzz the stock twin itself, a check that the oracle catches its defects).
+        skip_known: skip draws that :data:`KNOWN_DEFECTS` names (False: run them, as a regression test does).
     """
 
     def __init__(self, family: str, dtype: torch.dtype = torch.float32, tol: float | None = None,
-                 wrap: bool = True) -> None:
+                 wrap: bool = True, skip_known: bool = True) -> None:
         from .scenarios import _banned_tokens, default_tol
 
         self.family = family
         self.dtype = dtype
+        self.skip_known = skip_known
         self.stock, self.model = _models(family, dtype, wrap)
         self.ref, self.io = _io(self.stock), _io(self.model)
         self.vocab = self.ref.vocab
@@ -339,6 +347,8 @@ class Session:
         raise FuzzFailure(msg)
 
     def _skip(self, rule: str, call: dict[str, Any]) -> bool:
+        if not self.skip_known:
+            return False
         info = {**call, "stream": None}
         if self.stream is not None:
             info["stream"] = {"right": self.stream.right, "padded": self.stream.padded}
@@ -349,8 +359,10 @@ class Session:
                 return True
         return False
 
-    def _run(self, rule: str, fn: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run a user call: (True, result), or (False, None) when safepad refused it with its own error."""
+    def _run(self, rule: str, fn: Callable[[], Any], stock_fn: Callable[[], Any] | None = None) -> tuple[bool, Any]:
+        """Run a user call: (True, result), or (False, None) when safepad refused it with its own error, or when
+        the stock model refuses the very same call with the same exception type (``stock_fn``: transformers does
+        not offer it, e.g. ``labels`` with ``logits_to_keep``)."""
         self.stats.calls += 1
         self.stats.rules[rule] = self.stats.rules.get(rule, 0) + 1
         try:
@@ -362,8 +374,16 @@ class Session:
                 self.stats.refused += 1
                 self.lines.append(f"# refused by safepad: {type(exc).__name__}: {str(exc)[:200]!r}")
                 return False, None
+            if stock_fn is not None:
+                try:
+                    stock_fn()
+                except Exception as stock_exc:  # noqa: BLE001
+                    if type(stock_exc) is type(exc):
+                        self.stats.refused += 1
+                        self.lines.append(f"# stock refuses it too: {type(exc).__name__}: {str(exc)[:200]!r}")
+                        return False, None
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
-            self._fail(f"{rule} raised an error that is not safepad's:\n{tb}")
+            self._fail(f"{rule} raised an error that is not safepad's (the stock model takes the same call):\n{tb}")
         return False, None  # unreachable
 
     def _check(self, what: str, got: Tensor, ref: Tensor) -> None:
@@ -509,12 +529,17 @@ class Session:
         output_attentions: bool = False,
         logits_to_keep: int = 0,
         return_dict: bool = True,
+        output_router_logits: bool = False,
     ) -> None:
         """An uncached forward of a padded / holed batch; labels on pairs of adjacent real tokens, then backward:
-        loss and every parameter's gradient vs the per-row stock sum."""
+        loss and every parameter's gradient vs the per-row stock sum. ``output_router_logits`` (MoE families):
+        each real token's router logits vs the row alone (the loss then holds the aux loss and is not compared;
+        the backward still runs)."""
         kw = dict(batch=batch, position_ids=position_ids, labels=labels, backward=backward,
                   output_hidden_states=output_hidden_states, output_attentions=output_attentions,
                   logits_to_keep=logits_to_keep, return_dict=return_dict)
+        if output_router_logits:
+            kw["output_router_logits"] = True
         ids, mask, flags = _layout(batch)
         if self._skip("forward", {**kw, **flags, "cached": False}):
             return
@@ -534,23 +559,30 @@ class Session:
                 kwargs["labels"] = lab
         opts = self._opts(output_hidden_states, output_attentions, logits_to_keep, return_dict)
         kwargs.update(opts)
+        if output_router_logits:
+            kwargs["output_router_logits"] = True
         self.model.zero_grad(set_to_none=True)
         grad = backward and lab is not None
-        ok, out = self._run("forward", lambda: self._call(kwargs, grad=grad))
+        ok, out = self._run("forward", lambda: self._call(kwargs, grad=grad), lambda: self._stock_call(kwargs))
         if not ok:
             return
         names = self._names(kwargs)
         outs = self._unpack(out, return_dict, names)
         self._compare_rows("forward", outs, mask, history, logits_to_keep=logits_to_keep,
                            hidden=output_hidden_states, attentions=output_attentions)
-        if lab is not None:
+        if output_router_logits:
+            self._check_router("forward", outs, mask, history)
+        if lab is not None and not output_router_logits:
             self._check_loss("forward", outs, ids, lab, history, mask, grad)
+        self.model.zero_grad(set_to_none=True)
 
     def packed(self, seqs: list[list[int]], via: str = "position_ids", labels: bool = False,
-               backward: bool = False) -> None:
+               backward: bool = False, output_router_logits: bool = False) -> None:
         """One ``[1, T]`` row of sequences back to back: ``via`` ``"position_ids"`` (restarting at 0),
         ``"seq_idx"`` or ``"cu_seq_lens"`` (each with the restarting positions as well)."""
         kw = dict(seqs=seqs, via=via, labels=labels, backward=backward)
+        if output_router_logits:
+            kw["output_router_logits"] = True
         if self._skip("packed", {**kw, "cached": False}):
             return
         self._record("packed", kw)
@@ -577,9 +609,11 @@ class Session:
                 kwargs["labels"] = lab
             else:
                 lab = None
+        if output_router_logits:
+            kwargs["output_router_logits"] = True
         self.model.zero_grad(set_to_none=True)
         grad = backward and lab is not None
-        ok, out = self._run("packed", lambda: self._call(kwargs, grad=grad))
+        ok, out = self._run("packed", lambda: self._call(kwargs, grad=grad), lambda: self._stock_call(kwargs))
         if not ok:
             return
         logits = out.logits[0]
@@ -587,8 +621,20 @@ class Session:
         for i, s in enumerate(seqs):
             self._check(f"packed via {via}: logits of sequence {i}", logits[at : at + len(s)], self._alone(s))
             at += len(s)
-        if lab is not None:
+        if output_router_logits:
+            got = out.get("router_logits") if hasattr(out, "get") else None
+            if got is None:
+                self._fail(f"packed via {via}: output_router_logits=True returned no router_logits")
+            at = 0
+            for i, sq in enumerate(seqs):
+                self._check_router(f"packed via {via} (sequence {i})",
+                                   {"router_logits": tuple(g.reshape(ids.shape[1], -1)[at : at + len(sq)]
+                                                           for g in got)},
+                                   torch.ones(1, len(sq), dtype=torch.long), [sq])
+                at += len(sq)
+        elif lab is not None:
             self._check_loss(f"packed via {via}", dict(out.items()), ids, lab, seqs, None, grad)
+        self.model.zero_grad(set_to_none=True)
 
     def prefill(self, batch: Batch, position_ids: bool = True, output_hidden_states: bool = False,
                 output_attentions: bool = False, return_dict: bool = True) -> None:
@@ -608,7 +654,7 @@ class Session:
         if fresh is not None:
             kwargs[self.io.cache_kw] = fresh
         kwargs.update(self._opts(output_hidden_states, output_attentions, 0, return_dict))
-        ok, out = self._run("prefill", lambda: self._call(kwargs))
+        ok, out = self._run("prefill", lambda: self._call(kwargs), lambda: self._stock_call(kwargs))
         if not ok:
             return
         outs = self._unpack(out, return_dict, self._names(kwargs))
@@ -696,7 +742,8 @@ class Session:
             torch.manual_seed(0)
         if keep:
             self.stream = None
-        ok, out = self._run("generate", lambda: self._generate(self.model, gkw))
+        ok, out = self._run("generate", lambda: self._generate(self.model, gkw),
+                            lambda: self._generate(self.stock, gkw))
         if not ok:
             return
         W = ids.shape[1]
@@ -874,6 +921,15 @@ class Session:
         with torch.no_grad():
             return self.model(**kwargs)
 
+    def _stock_call(self, kwargs: dict[str, Any]) -> Any:
+        """The same call on the stock twin (a cache argument replaced by a fresh cache of the stock model's)."""
+        kwargs = {k: v for k, v in kwargs.items() if k != self.io.cache_kw}
+        fresh = self.ref.fresh_cache()
+        if fresh is not None and kwargs.get("use_cache"):
+            kwargs[self.ref.cache_kw] = fresh
+        with torch.no_grad():
+            return self.stock(**kwargs)
+
     @staticmethod
     def _generate(model: nn.Module, gkw: dict[str, Any]) -> Any:
         with torch.no_grad():
@@ -928,6 +984,29 @@ class Session:
         self.stock.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
+    def _check_router(self, what: str, outs: dict[str, Any], mask: Tensor, history: list[list[int]]) -> None:
+        """Each real token's router logits (per MoE layer) vs the row alone."""
+        got = outs.get("router_logits")
+        if got is None:
+            self._fail(f"{what}: output_router_logits=True returned no router_logits")
+        B, W = mask.shape
+        for b, toks in enumerate(history):
+            if not toks:
+                continue
+            ids = torch.tensor([toks], dtype=torch.long)
+            kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False, "output_router_logits": True}
+            if self.ref.takes_positions:
+                kwargs["position_ids"] = torch.arange(len(toks))[None]
+            with torch.no_grad():
+                ref = self.stock(**kwargs).router_logits
+            if len(ref) != len(got):
+                self._fail(f"{what}: {len(got)} router logits, the stock model alone returns {len(ref)}")
+            for i, (g, r) in enumerate(zip(got, ref)):
+                if g is None or r is None or not isinstance(g, Tensor):
+                    continue
+                g = g.reshape(B, W, -1)[b][mask[b].bool()]
+                self._check(f"{what}: router_logits[{i}] of row {b}", g, r.reshape(len(toks), -1))
+
     def _alone_grad(self, tokens: list[int]) -> Tensor:
         ids = torch.tensor([tokens], dtype=torch.long)
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
@@ -977,6 +1056,7 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
     stock, _ = _models(family, dtype, wrap)
     vocab = _io(stock).vocab
     st, token, batch = _strategies(vocab)
+    moe = hasattr(_io(stock).text_config, "output_router_logits")
 
     class FuzzMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -989,17 +1069,18 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
 
         @rule(b=batch(), pos=st.booleans(), labels=st.booleans(), backward=st.booleans(),
               hidden=st.booleans(), attn=st.booleans(), keep=st.sampled_from([0, 0, 0, 1, 2]),
-              rd=st.sampled_from([True, True, False]))
-        def forward(self, b, pos, labels, backward, hidden, attn, keep, rd) -> None:
+              rd=st.sampled_from([True, True, False]), router=st.booleans())
+        def forward(self, b, pos, labels, backward, hidden, attn, keep, rd, router) -> None:
             # labels with logits_to_keep is a transformers usage error (stock raises the same): not drawn
             self.s.forward(b, position_ids=pos, labels=labels, backward=backward, output_hidden_states=hidden,
-                           output_attentions=attn, logits_to_keep=0 if labels else keep, return_dict=rd)
+                           output_attentions=attn, logits_to_keep=0 if labels else keep,
+                           return_dict=rd or (router and moe), output_router_logits=router and moe)
 
         @rule(seqs=st.lists(st.lists(token, min_size=1, max_size=10), min_size=1, max_size=4),
               via=st.sampled_from(["position_ids", "seq_idx", "cu_seq_lens"]), labels=st.booleans(),
-              backward=st.booleans())
-        def packed(self, seqs, via, labels, backward) -> None:
-            self.s.packed(seqs, via=via, labels=labels, backward=backward)
+              backward=st.booleans(), router=st.booleans())
+        def packed(self, seqs, via, labels, backward, router) -> None:
+            self.s.packed(seqs, via=via, labels=labels, backward=backward, output_router_logits=router and moe)
 
         @rule(b=batch(holes=False, max_len=20), pos=st.booleans(), hidden=st.booleans(), attn=st.booleans(),
               rd=st.sampled_from([True, True, False]))
