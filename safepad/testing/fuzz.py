@@ -229,12 +229,14 @@ class FuzzStats:
     skipped: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def line(self) -> str:
         skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
         return (
             f"{self.family:22s} sequences {self.sequences:5d}  calls {self.calls:6d}  refused {self.refused:4d}  "
-            f"failures {len(self.failures)}  {self.seconds:7.1f} s  skipped draws: {skipped}"
+            f"failures {len(self.failures)}  {self.seconds:6.1f} s ({self.cpu_seconds:.1f} s CPU)  "
+            f"skipped draws: {skipped}"
         )
 
 
@@ -673,12 +675,12 @@ class Session:
         st = self.stream
         if st is None:
             return
+        kw = dict(batch=batch, position_ids=position_ids, output_hidden_states=output_hidden_states,
+                  output_attentions=output_attentions, return_dict=return_dict)
         if st.pending is not None:
             batch = [[p, *row] for p, row in zip(st.pending, batch)]
         if not batch or not batch[0]:
             return
-        kw = dict(batch=batch, position_ids=position_ids, output_hidden_states=output_hidden_states,
-                  output_attentions=output_attentions, return_dict=return_dict)
         ids, mask, flags = _layout(batch)
         if self._skip("chunk", {**kw, **flags, "cached": True}):
             return
@@ -686,7 +688,9 @@ class Session:
         full = torch.cat([st.mask, mask], dim=1)
         history = [h + [t for t in row if t is not None] for h, row in zip(st.history, batch)]
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, self.io.cache_kw: st.cache}
-        call_mask = full if ids.shape[1] > 1 else self.io.decode_mask(full)
+        # a one-token step without pads goes without a mask where generate() drops it (models without
+        # position_ids); a step with a pad column keeps it, as a user has to
+        call_mask = full if ids.shape[1] > 1 or bool((mask == 0).any()) else self.io.decode_mask(full)
         if call_mask is not None:
             kwargs["attention_mask"] = call_mask
         if position_ids and self.io.takes_positions:
@@ -713,12 +717,16 @@ class Session:
             self.chunk([[toks[i % len(toks)]] for i in range(n)], position_ids=position_ids)
 
     def generate(self, batch: Batch, max_new_tokens: int = 3, use_cache: bool = True, mode: str = "greedy",
-                 num_return_sequences: int = 1, keep: bool = False) -> None:
+                 num_return_sequences: int = 1, keep: bool = False, static: bool = False) -> None:
         """``generate`` on a padded batch: ``mode`` greedy (tokens vs the greedy continuation alone), sample
         (seeded; the logits of every step vs the sampled sequence alone) or beam (2 beams, vs the stock
-        cache-free beam search on the prompt alone). ``keep``: the returned cache becomes the live stream."""
+        cache-free beam search on the prompt alone). ``keep``: the returned cache becomes the live stream.
+        ``static``: ``cache_implementation="static"`` (where the stock model refuses it, it is not drawn)."""
         kw = dict(batch=batch, max_new_tokens=max_new_tokens, use_cache=use_cache, mode=mode,
                   num_return_sequences=num_return_sequences, keep=keep)
+        if static and use_cache:
+            kw["static"], keep = True, False
+            kw["keep"] = False
         ids, mask, flags = _layout(batch)
         if self._skip("generate", {**kw, **flags, "cached": use_cache}):
             return
@@ -732,6 +740,8 @@ class Session:
             pad_token_id=PAD_ID, use_cache=use_cache, return_dict_in_generate=True, output_logits=True,
             num_return_sequences=nrs,
         )
+        if static and use_cache:
+            gkw["cache_implementation"] = "static"
         if mode == "sample":
             gkw.update(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
         elif mode == "beam":
@@ -771,7 +781,7 @@ class Session:
             else:
                 ref = self._alone(p + new[:-1])[len(p) - 1 :]  # [new, V]: each step's logits given the sampled prefix
                 self._check(f"generate sample: logits of row {r}", logits[r], ref)
-        if keep and use_cache:
+        if keep and use_cache and not static:  # a static cache is full at max_length: not continued
             from ..cache import output_cache
 
             cache = output_cache(out)
@@ -1105,10 +1115,10 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
 
         @rule(b=batch(holes=False, max_len=8), n=st.integers(1, 4), use_cache=st.booleans(),
               mode=st.sampled_from(["greedy", "greedy", "sample", "beam"]), nrs=st.integers(1, 2),
-              keep=st.booleans())
-        def generate(self, b, n, use_cache, mode, nrs, keep) -> None:
+              keep=st.booleans(), static=st.sampled_from([False, False, False, True]))
+        def generate(self, b, n, use_cache, mode, nrs, keep, static) -> None:
             self.s.generate(b, max_new_tokens=n, use_cache=use_cache, mode=mode, num_return_sequences=nrs,
-                            keep=keep)
+                            keep=keep, static=static)
 
         @precondition(lambda self: self.s.stream is not None)
         @rule(tokens=st.lists(token, min_size=1, max_size=3), n=st.integers(1, 3))
@@ -1144,7 +1154,7 @@ def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
 
     machine = machine_for(family, dtype, wrap)
     stats = _stats(family if wrap else f"{family} (stock)")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cfg = settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         derandomize=seed is not None, print_blob=True, report_multiple_bugs=False,
@@ -1158,6 +1168,7 @@ def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
     finally:
         log.setLevel(level)
         stats.seconds += time.perf_counter() - t0
+        stats.cpu_seconds += time.process_time() - c0
     return stats
 
 

@@ -1,7 +1,7 @@
 """The fixed-seed tier of the call-sequence fuzzer (safepad.testing.fuzz) over every supported tiny family.
 
-Each family runs ``SAFEPAD_FUZZ_EXAMPLES`` call sequences (default 3) of up to ``SAFEPAD_FUZZ_STEPS`` calls
-(default 5), with hypothesis derandomized: the same programs on every run. A failure prints the shrunk call
+Each family runs ``SAFEPAD_FUZZ_EXAMPLES`` call sequences (default 10) of up to ``SAFEPAD_FUZZ_STEPS``
+calls (default 6), with hypothesis derandomized: the same programs on every run. A failure prints the shrunk call
 sequence as a standalone repro. ``make fuzz FUZZ_MINUTES=60`` runs the same machine open-ended.
 """
 
@@ -14,8 +14,8 @@ import pytest
 from safepad.testing import fuzz
 from safepad.testing.tiny import MODEL_TYPE_FAMILIES, family_available, family_names
 
-EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "3"))
-STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "5"))
+EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "10"))
+STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "6"))
 
 
 def _param(family: str):
@@ -28,9 +28,9 @@ FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_T
 
 
 @pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
-def test_fuzz_family(family: str) -> None:
+def test_fuzz_family(family: str, record_property) -> None:
     stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0)
-    print(stats.line())
+    record_property("fuzz_counts", stats.line())
     assert stats.calls > 0
 
 

@@ -36,6 +36,24 @@ def test_hole_without_position_ids(family: str) -> None:
 
 @pytest.mark.xfail(
     strict=True,
+    reason="issue 28 item 7 on zaya: with a hole and no position_ids the logits pass at 1e-4 but the gradients "
+    "of the attention's qk_norm are 1.1e-3 (of the largest gradient) off the rows alone",
+)
+@pytest.mark.parametrize("family", [_param("zaya", id="zaya")])
+def test_hole_without_position_ids_gradients(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forward(
+        [
+            [3, 3, 3, 3, 3, 3, 3, 3, 3, None, None, None],
+            [3, 3, 3, 3, 3, 8, 162, 163, 212, 239, 247, 250],
+            [3, None, None, None, None, 3, 30, 86, 120, 150, 214, 250],
+        ],
+        position_ids=False, labels=True, backward=True,
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
     reason="output_attentions on a cached chunk after a hole returns the weights in the re-laid slot order "
     "(inkling2_loop_text 0.37; issue 28 item 1's mechanism with a hole instead of right padding)",
 )
