@@ -62,3 +62,4 @@ def test_attentions_after_hole_in_cached_chunk(family: str) -> None:
     s = fuzz.Session(family, skip_known=False)
     s.prefill([[3]], position_ids=False)
     s.chunk([[None, 3]], position_ids=False, output_attentions=True)
+
