@@ -44,7 +44,7 @@ FLOOR_TESTS ?= tests/collators/test_collator.py tests/collators/test_packing.py 
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench fuzz clean
 
 # $(1): venv directory, $(2): constraints file
 define make_venv
@@ -132,6 +132,13 @@ test-wheel: setup
 	build/wheel-venv/bin/pip install -q $(TORCH_SPEC)
 	build/wheel-venv/bin/pip install -q $(WHEEL_DIR)/safepad-*.whl -c $(NEWEST)
 	cd $$(mktemp -d) && $(CURDIR)/build/wheel-venv/bin/python $(CURDIR)/tests/packaging/check_wheel.py $(CURDIR)/$(WHEEL_DIR)
+
+# The call-sequence fuzzer, open-ended: every supported family round-robin for FUZZ_MINUTES (FUZZ_FAMILIES=a,b
+# picks families); prints calls / sequences per family, skipped draws (known defects) and each failure's repro.
+# `make test` runs its fixed-seed tier (tests/fuzz).
+FUZZ_MINUTES ?= 10
+fuzz: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m safepad.testing.fuzz --minutes $(FUZZ_MINUTES)
 
 demo: setup
 	$(BIN)/safepad audit

@@ -1,0 +1,61 @@
+"""The fixed-seed tier of the call-sequence fuzzer (safepad.testing.fuzz) over every supported tiny family.
+
+Each family runs ``SAFEPAD_FUZZ_EXAMPLES`` call sequences (default 10) of up to ``SAFEPAD_FUZZ_STEPS``
+calls (default 6), with hypothesis derandomized: the same programs on every run. A failure prints the shrunk call
+sequence as a standalone repro. ``make fuzz FUZZ_MINUTES=60`` runs the same machine open-ended.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from safepad.testing import fuzz
+from safepad.testing.tiny import MODEL_TYPE_FAMILIES, family_available, family_names
+
+EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "10"))
+STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "6"))
+
+
+def _param(family: str):
+    ok, why = family_available(family)
+    return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+
+
+# model-type aliases (qwen3_5 -> qwen3_5_text, ...) build the same tiny model: fuzzed once, under the family name
+FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_TYPE_FAMILIES[f] == f]
+
+
+@pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
+def test_fuzz_family(family: str, record_property) -> None:
+    stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0)
+    record_property("fuzz_counts", stats.line())
+    assert stats.calls > 0
+
+
+# The oracle catches what the stock model gets wrong: the same calls on the unwrapped twin fail, wrapped they pass.
+_STOCK_WRONG = [
+    pytest.param("mamba2", "packed", {"seqs": [[5, 9, 7], [11, 4]], "via": "position_ids"}, id="packed-mamba2"),
+    pytest.param("lfm2", "packed", {"seqs": [[5, 9, 7], [11, 4]], "via": "position_ids"}, id="packed-lfm2"),
+    pytest.param("nemotron_h", "prefill_chunk", {}, id="right-pad-chunk-nemotron_h"),
+]
+
+
+@pytest.mark.parametrize(("family", "rule", "kwargs"), _STOCK_WRONG)
+@pytest.mark.parametrize("wrap", [pytest.param(False, id="stock"), pytest.param(True, id="wrapped")])
+def test_oracle_fails_stock_passes_wrapped(family: str, rule: str, kwargs: dict, wrap: bool) -> None:
+    s = fuzz.Session(family, wrap=wrap)
+
+    def calls() -> None:
+        if rule == "prefill_chunk":
+            s.prefill([[5, 9, 7, 12], [8, 3, None, None]])
+            s.chunk([[6], [10]])
+        else:
+            getattr(s, rule)(**kwargs)
+
+    if wrap:
+        calls()
+    else:
+        with pytest.raises(fuzz.FuzzFailure, match="repro"):
+            calls()
