@@ -41,7 +41,7 @@ from ..cache import (
 )
 from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
-from ..layout.masks import check_mask_values, pads_before_real
+from ..layout.masks import check_mask_values, has_holes, pads_before_real
 from ..layout.normalize import (
     multi_sequence,
     normalize_boundaries,
@@ -378,6 +378,7 @@ def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: 
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
     if not wanted or (module.training and not explicit):
+        _traced_hole_positions(module, info, kwargs, T, mask, ids)
         return
     past = 0
     if cache is not None and hasattr(cache, "get_seq_length"):
@@ -391,6 +392,31 @@ def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: 
     real = mask.to(device=ids.device, dtype=torch.long)  # [B, M]
     pos = (real.cumsum(1) - 1).clamp(min=0)[:, -T:]  # [B, T]
     kwargs["position_ids"] = pos + (past + T - mask.shape[1])
+
+
+def _traced_hole_positions(module: nn.Module, info: dict, kwargs: dict, T: int, mask, ids: torch.Tensor) -> None:
+    """While dynamo traces an uncached call of a hybrid: what the eager re-lay of rows with holes gives.
+
+    Eager (``slot_calls``) re-lays an uncached call whose rows have a pad between real tokens (a hole), so that
+    attention counts real tokens only: positions ``cumsum(mask) - 1`` when none are given. Traced, the same
+    positions come from the mask ``[B, T]`` on the device whenever some row has a hole (rows without one keep
+    ``arange(T)``, as eager leaves them). A family whose attention counts slots (sliding windows, slot distances)
+    would also need the re-lay itself, which a traced call cannot do: a hole there raises on the device.
+    """
+    if mask is None or T < 2 or mask.shape[1] != T or not (info["hybrid"] or info.get("slot_distances")):
+        return
+    m = mask.to(device=ids.device, dtype=torch.bool)  # [B, T]
+    holes = has_holes(m).any()  # [] bool
+    if info["slot_sensitive"]:
+        device_check(
+            ~holes,
+            f"{type(module).__name__} under torch.compile: an uncached call whose attention_mask has a pad between "
+            "real tokens (a hole) cannot be re-laid while traced, and this model's attention counts slots (a sliding "
+            "window or slot distances) over row positions. Move each row's pads to one side before the call "
+            "(left or right padding), or make this call eagerly.",
+        )
+    arange = torch.arange(T, device=ids.device).expand(m.shape[0], T)  # [B, T]
+    kwargs["position_ids"] = torch.where(holes, (m.long().cumsum(1) - 1).clamp(min=0), arange)  # [B, T]
 
 
 def _two_d_mask(mask):

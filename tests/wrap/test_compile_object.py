@@ -94,3 +94,37 @@ def test_compiled_object_right_padded_loss_backward_equals_eager():
     assert grads[0].keys() == grads[1].keys()
     for n, g in grads[0].items():
         assert (grads[1][n] - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), n
+
+
+_HOLES = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 1, 1, 1, 1]])  # [2, 10]: a hole per row
+
+
+@pytest.mark.parametrize("family", [family_param("qwen3_next"), family_param("olmo_hybrid")])
+def test_compiled_object_uncached_holes_equal_alone(family: str):
+    """An uncached call with holes on a RoPE hybrid: eager re-lays it (positions from the mask); the compiled object
+    gives the real tokens the same positions on the device. Each real token's logits equal its row alone, stock,
+    without the masked tokens (before: the traced hook left arange positions, counting the holes)."""
+    torch.manual_seed(0)
+    stock = _strengthen_attention(tiny_model(family)).eval()
+    compiled = torch.compile(safepad.wrap(copy.deepcopy(stock)), backend="eager")
+    ids = torch.randint(3, 200, _HOLES.shape)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=_HOLES, use_cache=False).logits
+        for b in range(ids.shape[0]):
+            keep = _HOLES[b].bool()
+            want = stock(input_ids=ids[b, keep][None], use_cache=False).logits[0]
+            err = (got[b, keep] - want).abs().max().item()
+            assert err <= TOL * max(1.0, want.abs().max().item()), (b, err)
+
+
+def test_compiled_object_uncached_holes_raise_where_attention_counts_slots():
+    """lfm3 with a sliding window: the window would count the holes, and a traced call cannot re-lay the rows, so the
+    compiled call raises naming the fix (eager re-lays it: tests/wrap/test_holes.py)."""
+    ok, why = safepad.testing.tiny.family_available("lfm3")
+    if not ok:
+        pytest.skip(why)
+    model = safepad.wrap(tiny_model("lfm3", sliding_window=4)).eval()
+    compiled = torch.compile(model, backend="eager")
+    ids = torch.randint(3, 200, _HOLES.shape)
+    with pytest.raises(RuntimeError, match="pad between real tokens"), torch.no_grad():
+        compiled(input_ids=ids, attention_mask=_HOLES, use_cache=False)
