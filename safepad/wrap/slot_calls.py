@@ -36,6 +36,23 @@ _SLOT_KINDS = frozenset({"attn_conv", "dsa_indexer", "ple"})
 _SHIFT_ATTR = "_safepad_position_shift"
 
 
+class _GenerateShift:
+    """The position shift ``[K, B, 1]`` of stacked positions kept on a cache for the rest of one ``generate`` call
+    (``frame``: that call's frame). A copied or pickled cache drops it: a copy continues in another call, where the
+    shift does not apply (and a frame can be neither copied nor pickled)."""
+
+    __slots__ = ("frame", "shift")
+
+    def __init__(self, frame: Any, shift: torch.Tensor) -> None:
+        self.frame, self.shift = frame, shift
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
@@ -191,7 +208,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         and position_ids.shape[1] in (1, B) and position_ids.shape[2] == T
     )
     kept = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
-    shift = kept[1] if kept is not None and kept[0] is generating else None
+    shift = kept.shift if kept is not None and kept.frame is generating else None
     if stacked and shift is None and bool((~m[:, -1]).any()):
         record.shift = (generating, _last_real_shift(position_ids, m[:, -T:]))
     # (a left-padded prefill too: stock counts its pads as positions, while the steps that continue it count
@@ -401,7 +418,7 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         return None
     cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
     if record.shift is not None and cache is not None:
-        setattr(cache, _SHIFT_ATTR, record.shift)
+        setattr(cache, _SHIFT_ATTR, _GenerateShift(*record.shift))
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
     if call is not None and (call.order is not None or call.relay) and cache is not None and not recurrent_only(cache):
