@@ -80,3 +80,20 @@ def test_uncached_generate_of_right_padded_prompts(family: str) -> None:
     s = fuzz.Session(family, skip_known=False)
     s.generate([[3, None, None], [3, 3, None], [3, 3, 3]], max_new_tokens=2, use_cache=False, mode="greedy",
                num_return_sequences=1, keep=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by a 20-minute `make fuzz` run: a cached chunk that is all padding, then a right-padded chunk, "
+    "gives the next real token wrong logits (nemotron_h and nemotron_h_omni 2.3e-3, qwen4_exp 7.8e-4); not fixed",
+)
+@pytest.mark.parametrize(
+    "family",
+    [_param("nemotron_h", id="nemotron_h"), _param("nemotron_h_omni", id="nemotron_h_omni"),
+     _param("qwen4_exp", id="qwen4_exp")],
+)
+def test_all_pad_chunk_then_right_padded_chunk(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.prefill([[3]], position_ids=False)
+    s.chunk([[None]], position_ids=False)
+    s.chunk([[3, None]], position_ids=False)
