@@ -22,3 +22,13 @@ def family_param(family: str):
     """``pytest.param(family)``, skipped (with the reason) where the installed transformers lacks the family."""
     ok, why = family_available(family)
     return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
+
+
+def strengthen_attention(model):
+    """Attention query / key projections at std 0.3: positions (and so position errors) matter."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model

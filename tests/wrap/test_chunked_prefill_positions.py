@@ -20,7 +20,7 @@ import torch
 import safepad
 from safepad.cache import cache_argument, output_cache
 from safepad.testing.tiny import tiny_model
-from .helpers import family_param
+from .helpers import family_param, strengthen_attention
 
 TOL = 1e-4
 
@@ -45,20 +45,10 @@ _param = family_param
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
-def _strengthen_attention(model):
-    """Attention query / key projections at std 0.3: positions (and so position errors) matter."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
-
-
 @pytest.fixture(scope="module", params=[_param(f) for f in CASES])
 def models(request):
     """(family, stock, wrapped copy), attention q/k projections strengthened."""
-    stock = _strengthen_attention(tiny_model(request.param, **CASES[request.param]))
+    stock = strengthen_attention(tiny_model(request.param, **CASES[request.param]))
     return request.param, stock, safepad.wrap(copy.deepcopy(stock), backend="torch")
 
 
@@ -137,6 +127,6 @@ def test_bamba_stock_restarts_positions():
 
     if Version(transformers.__version__) < Version("5.24"):
         pytest.skip("Bamba keeps its positions across calls before transformers 5.24")
-    stock = _strengthen_attention(tiny_model("bamba"))
+    stock = strengthen_attention(tiny_model("bamba"))
     ids, mask, bounds = _batches("unpadded")
     assert _error(stock, ids, mask, _run(stock, ids, mask, bounds, False)) > 10 * TOL

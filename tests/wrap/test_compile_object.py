@@ -20,7 +20,7 @@ import torch._dynamo as dynamo
 import safepad
 from safepad.cache import cache_argument, output_cache
 from safepad.testing.tiny import tiny_model
-from .helpers import family_param
+from .helpers import family_param, strengthen_attention
 
 TOL = 1e-4
 
@@ -34,16 +34,6 @@ def _fresh_dynamo():
     dynamo.reset()
 
 
-def _strengthen_attention(model):
-    """Attention query / key projections at std 0.3: positions (and so position errors) matter."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
-
-
 def _case(family: str, layout: str):
     return pytest.param(family, layout, id=f"{family}-{layout}", marks=family_param(family).marks)
 
@@ -52,7 +42,7 @@ def _case(family: str, layout: str):
 @torch.no_grad()
 def test_compiled_object_cached_steps_without_positions_equal_alone(family: str, layout: str):
     """A (padded) prefill, then one-token steps with the full mask and no position_ids, as docs/inference.md does."""
-    stock = _strengthen_attention(tiny_model(family)).eval()
+    stock = strengthen_attention(tiny_model(family)).eval()
     ids = torch.randint(3, 250, (3, 11), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if layout == "right_padded":
@@ -105,7 +95,7 @@ def test_compiled_object_uncached_holes_equal_alone(family: str):
     gives the real tokens the same positions on the device. Each real token's logits equal its row alone, stock,
     without the masked tokens (before: the traced hook left arange positions, counting the holes)."""
     torch.manual_seed(0)
-    stock = _strengthen_attention(tiny_model(family)).eval()
+    stock = strengthen_attention(tiny_model(family)).eval()
     compiled = torch.compile(safepad.wrap(copy.deepcopy(stock)), backend="eager")
     ids = torch.randint(3, 200, _HOLES.shape)
     with torch.no_grad():
