@@ -15,18 +15,9 @@ from safepad.testing import tiny_model
 from safepad.testing.inputs import ssd_inputs
 from safepad.testing.syncs import KIND_FAMILIES, count_syncs, decode_step, depth_overrides, packed_train_step
 
-_SLOTS = pytest.mark.xfail(
-    strict=True,
-    reason="attention that counts cache slots (Inkling's slot-relative positions, recurrent_gemma's sliding window) "
-    "takes every cached call through slot justification (safepad.layout.slots, wrap/slot_calls.py), which reads "
-    "the mask on the host: a pad step token would otherwise take a slot unseen. Not yet removed",
-)
-
-
-def _kinds(decode: bool = False):
+def _kinds():
     for kind, family in KIND_FAMILIES.items():
-        marks = [_SLOTS] if decode and kind in ("attn_conv", "rg_lru") else []
-        yield pytest.param(family, id=kind.replace(" ", "_").replace("(", "").replace(")", ""), marks=marks)
+        yield pytest.param(family, id=kind.replace(" ", "_").replace("(", "").replace(")", ""))
 
 
 def _model(family: str, n_layers: int):
@@ -110,7 +101,7 @@ def test_packed_train_step_syncs_independent_of_depth(family):
     assert counts[8] <= counts[2] + 2, (counts[2], counts[8], counts[8, "ops"])
 
 
-@pytest.mark.parametrize("family", list(_kinds(decode=True)))
+@pytest.mark.parametrize("family", list(_kinds()))
 def test_decode_step_syncs_at_most_stock(family):
     stock = _model(family, 2)
     _, n_stock, _ = count_syncs(decode_step(stock))
@@ -125,6 +116,23 @@ def test_decode_step_syncs_at_most_stock(family):
                 for b, row in enumerate(step.rows):
                     ref = stock_n(input_ids=row[None], use_cache=False).logits[0, -1]
                     torch.testing.assert_close(logits[b, -1], ref.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("side", [pytest.param("right", id="right_padded"), pytest.param("none", id="unpadded")])
+@pytest.mark.parametrize("family", list(_kinds()))
+def test_decode_after_right_padded_prefill_syncs_at_most_stock(family, side):
+    """A decode step on a cache a right-padded prefill re-laid (rows of 6, 5 and 4 real tokens), or on an unpadded
+    one: the re-lay is decided and done on the device (safepad.layout.slots), so no more syncs than stock's step,
+    and each row's logits are the row's alone through the stock model."""
+    stock = _model(family, 2)
+    _, n_stock, _ = count_syncs(decode_step(stock, padding_side=side))
+    step = decode_step(safepad.wrap(copy.deepcopy(stock)), padding_side=side)
+    logits, n, ops = count_syncs(step)
+    assert n <= n_stock, (n, n_stock, ops)
+    with torch.no_grad():
+        for b, row in enumerate(step.rows):
+            ref = stock(input_ids=row[None], use_cache=False).logits[0, -1]
+            torch.testing.assert_close(logits[b, -1], ref.float(), atol=1e-3, rtol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -58,9 +58,15 @@ def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -
     Returns:
         ``(past', new')`` of the same shapes: the stable partition of ``[past ‖ new]`` (pads first, zeroed),
         split at ``S``. ``past'`` replaces the stored slots, ``new'`` goes through the cache's own update.
+        With one new token (``T == 1``) the pad slots are not zeroed (masked all the same), and the re-lay is one
+        ``torch.where`` per tensor: no sort, no gather, no host read.
     """
     B, _, S, _ = past.shape
     T = new.shape[2]
+    if T == 1:  # one token (a decode step): a pad step token goes first, the row's slots move right by one
+        pad = (new_real < 1).view(B, 1, 1, 1).to(past.device)  # [B, 1, 1, 1]
+        shifted = torch.cat([torch.zeros_like(past[:, :, :1]), past[:, :, :-1]], dim=2)  # [B, H, S, D]
+        return torch.where(pad, shifted, past), torch.where(pad, past[:, :, -1:], new)
     full = torch.cat([past, new], dim=2)  # [B, H, S + T, D]
     valid = torch.cat([justified_mask(past_real, S), justified_mask(new_real, T)], dim=1)  # [B, S + T]
     order = pads_first_order(valid)  # [B, S + T]
@@ -85,11 +91,12 @@ def _plain_dynamic(layer) -> bool:
 class _JustifyingUpdate:
     """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update."""
 
-    def __init__(self, cache, n_past: Tensor, new_real: Tensor):
+    def __init__(self, cache, n_past: Tensor, new_real: Tensor, decode: bool = False):
         self.cache = cache
         self.original = type(cache).update.__get__(cache)
         self.n_past = n_past  # [B]
         self.new_real = new_real  # [B]
+        self.decode = decode  # a decode step: it re-lays only when its token is a pad (unknown on the host)
 
     def __call__(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -97,6 +104,8 @@ class _JustifyingUpdate:
         stored = 0 if keys is None or not getattr(layer, "is_initialized", False) else keys.shape[-2]
         if stored > 0:
             if not _plain_dynamic(layer):
+                if _no_pad_step(self.decode, self.new_real):
+                    return self.original(key_states, value_states, layer_idx, *args, **kwargs)
                 raise ValueError(
                     f"safepad: a cached call with padding after real tokens needs each attention layer's cached "
                     f"keys to be re-laid in place, which {type(layer).__name__} (layer {layer_idx}) does not allow. "
@@ -121,11 +130,12 @@ class _JustifyingIndexerUpdate:
     in the justified layout by then, so that the slots it selects are the ones the re-laid keys occupy.
     """
 
-    def __init__(self, cache, n_past: Tensor, new_real: Tensor):
+    def __init__(self, cache, n_past: Tensor, new_real: Tensor, decode: bool = False):
         self.cache = cache
         self.original = type(cache).update_indexer.__get__(cache)
         self.n_past = n_past  # [B]
         self.new_real = new_real  # [B]
+        self.decode = decode
 
     def __call__(self, states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -133,6 +143,8 @@ class _JustifyingIndexerUpdate:
         stored = 0 if stored_keys is None or not getattr(layer, "is_indexer_initialized", False) else stored_keys.shape[1]
         if stored > 0:
             if type(layer).update_indexer is not _dynamic_indexer_update():
+                if _no_pad_step(self.decode, self.new_real):
+                    return self.original(states, layer_idx, *args, **kwargs)
                 raise ValueError(
                     f"safepad: a cached call with padding after real tokens needs the indexer state of layer "
                     f"{layer_idx} to be re-laid in place, which {type(layer).__name__} does not allow. Use a "
@@ -142,6 +154,12 @@ class _JustifyingIndexerUpdate:
             past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real)  # [B, 1, S|T, F]
             layer.indexer_keys, states = past[:, 0], new[:, 0]
         return self.original(states, layer_idx, *args, **kwargs)
+
+
+def _no_pad_step(decode: bool, new_real: Tensor) -> bool:
+    """A decode step whose every token is real moves no cached slot: a cache that cannot be re-laid may serve it.
+    Read on the host (one sync) only for such caches, which refuse the re-lay otherwise."""
+    return decode and bool((new_real > 0).all())
 
 
 def _dynamic_indexer_update():
@@ -190,6 +208,9 @@ class SlotJustifiedCall:
     def __init__(self, full_mask: Tensor, past_len: int):
         B, total = full_mask.shape
         T = total - past_len
+        if T == 1:  # a decode step: every decision on the device (no host read)
+            self._init_step(full_mask, past_len)
+            return
         self.past_len, self.T = past_len, T
         self.full_mask = full_mask  # [B, L + T]: the caller's layout of the cached slots and the current tokens
         cur = full_mask[:, past_len:]  # [B, T]
@@ -203,9 +224,30 @@ class SlotJustifiedCall:
         self.inverse = None if self.order is None else torch.argsort(self.order, dim=1)  # [B, T]
         # the cached slots must move when some row gets new pads and holds something already
         self.relay = past_len > 0 and bool((self.n_new < T).any())
+        self.decode = False
         self._cache = None
         #: ``[K, B, T]`` stored positions of the cached slots moved into the chunk's columns (set by install)
         self.moved_positions: Tensor | None = None
+
+    def _init_step(self, full_mask: Tensor, past_len: int) -> None:
+        """One token: it needs no reordering; the mask and pad counts are device tensors, and the cached slots
+        are re-laid whenever there are some (:func:`justify_kv` moves only the rows whose step token is a pad)."""
+        self.past_len, self.T = past_len, 1
+        self.full_mask = full_mask  # [B, L + 1]
+        self.n_past = full_mask[:, :past_len].sum(1)  # [B]
+        self.n_new = full_mask[:, past_len].long()  # [B]: 1 for a real step token, 0 for a pad
+        self.mask = justified_mask(self.n_past + self.n_new, past_len + 1)  # [B, L + 1]
+        self.token_mask = full_mask[:, past_len:]  # [B, 1]
+        self.noop = False  # (unknown without a host read: the justified mask is passed on)
+        self.decode = True
+        self.order = self.inverse = None
+        self.relay = past_len > 0
+        self._cache = None
+        self.moved_positions = None
+
+    def pads(self) -> Tensor:
+        """``[B]`` long: pad slots per row in the justified layout (the cache's, once the call has run)."""
+        return self.mask.shape[1] - self.mask.sum(1)
 
     def reorder(self, x: Tensor) -> Tensor:
         """``[B, T, ...]`` (or ``[1, T, ...]``, expanded) current-token tensor in the justified order."""
@@ -264,14 +306,16 @@ class SlotJustifiedCall:
         if not self.relay or cache is None:
             return
         if not hasattr(cache, "layers") or not hasattr(type(cache), "update"):
+            if _no_pad_step(self.decode, self.n_new):
+                return
             raise ValueError(
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
         self.moved_positions = _justify_position_history(cache, self.n_past, self.n_new, self.T)
-        cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new)
+        cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new, self.decode)
         if hasattr(type(cache), "update_indexer"):
-            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new)
+            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new, self.decode)
         self._cache = cache
 
     def with_moved_positions(self, position_ids: Tensor) -> Tensor:

@@ -206,10 +206,13 @@ def packed_train_step(model: torch.nn.Module, lengths: tuple[int, ...] = (5, 9, 
     return step
 
 
-def decode_step(model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: int = 0) -> Callable[[], Any]:
-    """A closure running one cached single-token decode step of ``model`` over ``batch`` left-padded rows.
+def decode_step(
+    model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: int = 0, padding_side: str = "left"
+) -> Callable[[], Any]:
+    """A closure running one cached single-token decode step of ``model`` over ``batch`` padded rows.
 
-    The prefill (rows of ``prompt - b % 3`` real tokens, left-padded) runs when the closure is built, under
+    The prefill (rows of ``prompt - b % 3`` real tokens, padded on ``padding_side``: ``"left"``, ``"right"``, or
+    ``"none"`` for full rows) runs when the closure is built, under
     ``torch.no_grad()``; the closure feeds one new token per row with the cache and the extended mask, as
     ``generate()`` does, and returns the ``[B, 1, V]`` logits. Each call re-runs the same step from the
     same cache state (a copy), so it may be called repeatedly. ``step.rows`` holds each row's real tokens
@@ -220,15 +223,20 @@ def decode_step(model: torch.nn.Module, batch: int = 4, prompt: int = 6, seed: i
     io = _ModelIO(model)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, io.vocab, (batch, prompt), generator=gen)  # [B, L]
+    if padding_side not in ("left", "right", "none"):
+        raise ValueError(f"padding_side must be 'left', 'right' or 'none', got {padding_side!r}")
     mask = torch.ones(batch, prompt, dtype=torch.long)
     for b in range(batch):
-        mask[b, : b % 3] = 0  # left pads
+        if padding_side == "left":
+            mask[b, : b % 3] = 0
+        elif padding_side == "right" and b % 3:
+            mask[b, -(b % 3) :] = 0
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L]
     with torch.no_grad():
         _, cache = io(ids, attention_mask=mask, position_ids=position_ids, cache=io.fresh_cache(), use_cache=True)
     nxt = torch.randint(3, io.vocab, (batch, 1), generator=gen)  # [B, 1]
     full = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)  # [B, L + 1]
-    pos = position_ids[:, -1:] + 1  # [B, 1]
+    pos = mask.sum(1, keepdim=True)  # [B, 1]: each row's real tokens so far
     snapshot = copy.deepcopy(cache)
 
     def step():

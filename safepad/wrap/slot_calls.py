@@ -32,6 +32,9 @@ _RELAID_FLAG = "_safepad_relaid_slots"
 #: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
 #: indexer positions)
 _SLOT_KINDS = frozenset({"attn_conv", "dsa_indexer", "ple"})
+#: ``[B]`` long device tensor on a cache: pad slots per row after an eager decode step re-laid on the device (the
+#: host never read whether the step token was a pad); a later call without an attention_mask checks it
+_PADS_ATTR = "_safepad_slot_pads"
 #: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
 _SHIFT_ATTR = "_safepad_position_shift"
 
@@ -56,7 +59,7 @@ class _GenerateShift:
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("as_tuple", "call", "keep", "labels", "loss_kwargs", "padded", "restore", "shape", "shift")
+    __slots__ = ("as_tuple", "call", "keep", "labels", "loss_kwargs", "padded", "pads", "restore", "shape", "shift")
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
                  restore: bool = True):
@@ -72,6 +75,8 @@ class SlotRecord:
         # the caller asked for a tuple (return_dict=False, or a config that returns tuples): the forward returns a
         # ModelOutput, whose fields are named (slot_restore puts each back by its name), and to_tuple() is returned
         self.as_tuple = False
+        # [B] long pad slots per row of the cache after a decode step (device; kept with the cache by slot_restore)
+        self.pads = None
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -124,7 +129,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         (args, kwargs) = (), {**dict(zip(params, args)), **kwargs, "attention_mask": mask}
     flagged = bool(getattr(cache, _PADDED_FLAG, False))
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B):
-        if flagged and past_len > 0 and mask is None:
+        if past_len > 0 and mask is None and (flagged or _holds_step_pads(cache)):
             raise ValueError(
                 f"{type(module).__name__}: this cache holds padded rows, but the call came without an attention_mask. "
                 "Pass the full-length attention_mask (the cached tokens plus the new ones, as generate() does) so "
@@ -144,6 +149,8 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     ):
         return _decode_step(module, info, args, kwargs, B, mask, past_len)
     m = mask.to(torch.bool)
+    # a one-token step on a re-laid cache or with slot-counting attention: decided on the device (SlotJustifiedCall)
+    step = T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1
     if not wanted or (module.training and not explicit):
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
         # a hybrid's row has a pad between real tokens (a hole). Its attention would count the hole in its rotary
@@ -185,12 +192,14 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 f"ones, {past_len + T} columns), as generate() does"
             )
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
-    if bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
+    if not step and bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     call = SlotJustifiedCall(m, past_len)
     for check in info["slot_checks"]:
         check(module, call.mask)
-    record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=generating is None)
+    record = SlotRecord(None, (B, T), None, flagged if step else not bool(call.mask.all()), restore=generating is None)
+    if step:
+        record.pads = call.pads()  # [B]
     module._safepad_slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
@@ -209,7 +218,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     )
     kept = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
     shift = kept.shift if kept is not None and kept.frame is generating else None
-    if stacked and shift is None and bool((~m[:, -1]).any()):
+    if stacked and shift is None and T > 1 and bool((~m[:, -1]).any()):  # (one token: its shift is 0)
         record.shift = (generating, _last_real_shift(position_ids, m[:, -T:]))
     # (a left-padded prefill too: stock counts its pads as positions, while the steps that continue it count
     # each row's real tokens only, so a rotary distance across the cached and new tokens would be off by the pads)
@@ -299,6 +308,17 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
             "torch.compile, or run the cached calls of right-padded rows without compiling "
             "(no compile_config / torch.compiler.set_stance('force_eager'))."
         )
+
+
+def _holds_step_pads(cache) -> bool:
+    """Does ``cache`` hold pad slots that an eager decode step put there (one host read; a call without a mask)?"""
+    pads = getattr(cache, _PADS_ATTR, None)
+    if not isinstance(pads, torch.Tensor):
+        return False
+    if bool(pads.any()):
+        return True
+    cache.__dict__.pop(_PADS_ATTR, None)  # none: a call without a mask adds none either, read no more
+    return False
 
 
 def _pads_after_real(m: torch.Tensor) -> bool:
@@ -421,7 +441,11 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         setattr(cache, _SHIFT_ATTR, _GenerateShift(*record.shift))
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
         setattr(cache, _PADDED_FLAG, True)
-    if call is not None and (call.order is not None or call.relay) and cache is not None and not recurrent_only(cache):
+    if record.pads is not None and cache is not None and not recurrent_only(cache):
+        setattr(cache, _PADS_ATTR, record.pads)
+    # (a decode step re-lays on the device, and only a cache re-laid before stays marked: see docs/limits.md)
+    relaid = call is not None and (call.order is not None or (call.relay and not call.decode))
+    if relaid and cache is not None and not recurrent_only(cache):
         setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:
         output = _with_loss(record, call, output, module)
