@@ -7,6 +7,9 @@ Side by side in one run:
    place after the stock timing). Target: wrapped >= 1.5x faster.
 2. Chunked prefill of 2048 tokens in 8 chunks with the cache vs one forward (wrapped model, 2 mixer layers of
    hidden 512, one attention layer). Target: <= 1.15x the time. Against token-by-token decoding of the same 2048 tokens: >= 30x faster.
+3. Decode at batch 4 after a right-padded prefill (rows of 4 different lengths; the wrapped cache is re-laid, each
+   row ``[pads | real tokens]``) against the stock model's step on the same inputs: process CPU time, one thread,
+   interleaved. Target: <= 1.05x.
 
     python benchmarks/bench_wrap.py            # full sizes
     python benchmarks/bench_wrap.py --quick    # small sizes, seconds
@@ -140,6 +143,47 @@ def bench_prefill(T: int, n_chunks: int, hidden: int, rounds: int) -> tuple[floa
     return best["full"], best["chunked"], t_tok, err, _median_ratio(times["chunked"], times["full"])
 
 
+@torch.no_grad()
+def bench_decode(prompt: int, steps: int, hidden: int, rounds: int) -> tuple[float, float, float]:
+    """``steps`` decode steps of 4 rows after a right-padded prefill, stock vs wrapped (same weights), each round
+    from a copy of the prefilled cache (copied outside the timing); process CPU time on one thread."""
+    import copy
+
+    torch.set_num_threads(1)
+    stock = _small_model(hidden)
+    wrapped = safepad.wrap(copy.deepcopy(stock))
+    kw = cache_argument(stock)
+    B = 4
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 250, (B, prompt), generator=gen)
+    mask = torch.ones(B, prompt, dtype=torch.long)
+    for b in range(B):
+        mask[b, prompt - 3 * b :] = 0 if b else 1  # rows of prompt, prompt - 3, prompt - 6, prompt - 9 real tokens
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    new = torch.randint(3, 250, (B, steps), generator=gen)
+    snaps = {}
+    for name, model in (("stock", stock), ("wrapped", wrapped)):
+        snaps[name] = output_cache(model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True))
+
+    def run(model, cache):
+        m, p = mask, mask.sum(1, keepdim=True)
+        for t in range(steps):
+            m = torch.cat([m, torch.ones(B, 1, dtype=m.dtype)], 1)
+            out = model(input_ids=new[:, t : t + 1], attention_mask=m, position_ids=p + t, **{kw: cache}, use_cache=True)
+            cache = output_cache(out)
+        return out.logits
+
+    times: dict[str, list[float]] = {"stock": [], "wrapped": []}
+    for r in range(rounds + 1):  # (round 0: warm-up)
+        for name, model in (("stock", stock), ("wrapped", wrapped)):
+            cache = copy.deepcopy(snaps[name])
+            t0 = time.process_time()
+            run(model, cache)
+            if r:
+                times[name].append((time.process_time() - t0) / steps)
+    return min(times["stock"]), min(times["wrapped"]), _median_ratio(times["wrapped"], times["stock"])
+
+
 def _run_part(part: str, args: argparse.Namespace) -> dict:
     """Each part in a fresh process: the mixer part's large allocations must not slow the prefill part."""
     cmd = [sys.executable, __file__, "--part", part, "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
@@ -151,19 +195,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (best of)")
-    ap.add_argument("--part", choices=("mixer", "prefill"), help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=("mixer", "prefill", "decode"), help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=("mixer", "prefill", "decode"), help="run one part only")
     args = ap.parse_args()
     L, hidden = (512, 256) if args.quick else (4096, 1024)
     T, n_chunks, phidden = (256, 8, 128) if args.quick else (2048, 8, 512)
+    prompt, steps = (32, 8) if args.quick else (256, 32)
     if args.part == "mixer":
         print(json.dumps(dict(zip(("stock", "wrapped", "proj", "ratio"), bench_mixer(L, hidden, args.rounds)))))
         return
     if args.part == "prefill":
         print(json.dumps(dict(zip(("full", "chunk", "tok", "err", "ratio"), bench_prefill(T, n_chunks, phidden, args.rounds)))))
         return
+    if args.part == "decode":
+        print(json.dumps(dict(zip(("stock", "wrapped", "ratio"), bench_decode(prompt, steps, phidden, args.rounds)))))
+        return
 
     print(f"safepad {safepad.__version__}, torch {torch.__version__}, threads {torch.get_num_threads()}; "
           f"best of {args.rounds} interleaved rounds, each part in its own process")
+    if args.only in (None, "decode"):
+        d = _run_part("decode", args)
+        print(f"\nNemotron-H (hidden {phidden}) decode step, batch 4 after a right-padded {prompt}-token prefill "
+              f"({steps} steps, process CPU time, 1 thread):")
+        print(f"  stock                          {d['stock'] * 1e3:9.2f} ms")
+        print(f"  safepad wrapped (re-laid cache) {d['wrapped'] * 1e3:8.2f} ms")
+        print(f"  decode step wrapped / stock:                     {d['ratio']:6.2f}x  "
+              f"[{d['wrapped'] / d['stock']:.2f}x]  (target <= 1.05x)")
+    if args.only == "decode":
+        return
     m = _run_part("mixer", args)
     stock, wrapped, proj = m["stock"], m["wrapped"], m["proj"]
     print(f"\nNemotron-H mixer layer fwd+bwd, hidden {hidden}, H=16 P=64 N=64 G=2, chunk 128, L={L}:")
