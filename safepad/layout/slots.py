@@ -203,6 +203,9 @@ class SlotJustifiedCall:
         token_mask: ``[B, T]`` bool, the reordered current tokens' mask (for the recurrent layers): not the
             last ``T`` columns of ``mask`` when cached slots move into the chunk's columns.
         n_past / n_new: ``[B]`` real tokens among the cached slots / the current tokens.
+        decode: a one-token call (``T == 1``): every decision above is a device tensor (no host read); ``noop`` is
+            False and ``relay`` is True whenever the cache holds slots (:func:`justify_kv` then moves only the
+            rows whose step token is a pad).
     """
 
     def __init__(self, full_mask: Tensor, past_len: int):
@@ -247,7 +250,7 @@ class SlotJustifiedCall:
 
     def pads(self) -> Tensor:
         """``[B]`` long: pad slots per row in the justified layout (the cache's, once the call has run)."""
-        return self.mask.shape[1] - self.mask.sum(1)
+        return self.mask.shape[1] - self.n_past - self.n_new
 
     def reorder(self, x: Tensor) -> Tensor:
         """``[B, T, ...]`` (or ``[1, T, ...]``, expanded) current-token tensor in the justified order."""

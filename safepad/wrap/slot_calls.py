@@ -268,13 +268,21 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
         named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
         record.keep = keep
-    if record.restore:  # (attention weights address cache slots even when the chunk keeps its order)
+    # (attention weights address cache slots even when the chunk keeps its order; a step's other outputs need no
+    # restoring: one token keeps its order)
+    if record.restore and not (step and not _attentions_wanted(module, named)):
         _ask_for_model_output(module, info, named, record)
     call.install(cache)
     if isinstance(named.get("position_ids"), torch.Tensor):
         named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
     record.call = call
     return (), named
+
+
+def _attentions_wanted(module: nn.Module, named: dict) -> bool:
+    """Does the call return attention weights (``output_attentions``, else the model config's)?"""
+    wanted = named.get("output_attentions")
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False) if wanted is None else wanted)
 
 
 def _ask_for_model_output(module: nn.Module, info: dict, named: dict, record: SlotRecord) -> None:
@@ -439,13 +447,14 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
     cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
     if record.shift is not None and cache is not None:
         setattr(cache, _SHIFT_ATTR, _GenerateShift(*record.shift))
-    if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
+    slots = cache is not None and not recurrent_only(cache)  # slots only in attention layers
+    if record.padded and slots:
         setattr(cache, _PADDED_FLAG, True)
-    if record.pads is not None and cache is not None and not recurrent_only(cache):
+    if record.pads is not None and slots:
         setattr(cache, _PADS_ATTR, record.pads)
     # (a decode step re-lays on the device, and only a cache re-laid before stays marked: see docs/limits.md)
     relaid = call is not None and (call.order is not None or (call.relay and not call.decode))
-    if relaid and cache is not None and not recurrent_only(cache):
+    if relaid and slots:
         setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:
         output = _with_loss(record, call, output, module)

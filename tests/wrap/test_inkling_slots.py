@@ -204,6 +204,26 @@ def test_a_padded_cache_needs_the_full_mask(models):
 
 
 @torch.no_grad()
+def test_a_pad_decode_step_on_an_unpadded_cache_needs_the_full_mask_after(models):
+    """A decode step's pad is re-laid on the device (the host never reads it): the cache keeps its per-row pad
+    counts, so a later call without an attention_mask still raises, and one with the mask equals each row alone."""
+    family, stock, wrapped = models
+    ids, mask, g = _batch((8, 8), 8, seed=17)  # no padding: a cache in the caller's layout
+    name = _cache_name(wrapped)
+    cache = _cache_of(wrapped(input_ids=ids, attention_mask=mask, use_cache=True))
+    steps = torch.randint(3, 250, (2, 2), generator=g)
+    m = torch.cat([mask, torch.tensor([[1], [0]])], 1)  # row 1's step token is a pad
+    wrapped(input_ids=steps[:, :1], attention_mask=m, use_cache=True, **{name: cache})
+    with pytest.raises(ValueError, match="without an attention_mask"):
+        wrapped(input_ids=steps[:, 1:], use_cache=True, **{name: copy.deepcopy(cache)})
+    m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+    out = wrapped(input_ids=steps[:, 1:], attention_mask=m, use_cache=True, **{name: cache}).logits[:, -1]
+    for b, row in enumerate((torch.cat([ids[0], steps[0]]), torch.cat([ids[1], steps[1, 1:]]))):
+        ref = stock(input_ids=row[None], use_cache=False).logits[0, -1]
+        torch.testing.assert_close(out[b], ref, atol=TOL, rtol=TOL)
+
+
+@torch.no_grad()
 def test_inkling_log_scaling_exact_below_the_floor_and_raises_past_it():
     """Inkling scales queries by their cache slot (``tau(slot + 1)``): exact while padded rows stay within the
     floor, a clear error once a real token after pads sits past it (the stock left-padded result is wrong there)."""
