@@ -36,6 +36,9 @@ def test_justify_kv_matches_reference(S, T, past_real, new_real):
     pr, nr = torch.tensor(past_real), torch.tensor(new_real)
     got = justify_kv(past, new, pr, nr)
     want = _ref_justify(past, new, pr, nr)
+    real = justified_mask(torch.minimum(pr + nr, torch.tensor(S + T)), S + T)[:, None, :, None]  # [B, 1, S + T, 1]
+    if T == 1:  # (one token: the pad slots keep whatever they held, masked all the same)
+        got = tuple(torch.cat(got, 2).where(real, 0.0).split([S, T], 2))
     for a, b in zip(got, want):
         assert a.shape == b.shape and torch.equal(a, b)
 
@@ -63,6 +66,20 @@ def test_call_reorders_and_restores_the_chunk():
 
 
 def test_call_on_a_justified_layout_is_a_noop():
-    full = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)  # left-padded past + real step
+    full = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # left-padded past + real chunk
     call = SlotJustifiedCall(full, past_len=4)
     assert call.noop and not call.relay and call.order is None
+
+
+def test_decode_step_decides_on_the_device():
+    """One token: no host read (noop / relay are not read from the mask), and the justified mask, positions and
+    pad counts are the ones the chunk path computes."""
+    from safepad.testing.syncs import count_syncs
+
+    full = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    call, n, _ = count_syncs(lambda: SlotJustifiedCall(full, past_len=4))
+    assert n == 0 and call.decode and call.relay and call.order is None
+    assert call.mask.tolist() == [[False, False, True, True, True], [False, True, True, True, True],
+                                  [False, False, False, True, True]]
+    assert call.position_ids().tolist() == [[2], [3], [1]]  # row 2's step token is a pad: position 1
+    assert call.pads().tolist() == [2, 1, 3]
