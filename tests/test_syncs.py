@@ -126,6 +126,8 @@ def test_decode_after_right_padded_prefill_syncs_at_most_stock(family, side):
     and each row's logits are the row's alone through the stock model."""
     stock = _model(family, 2)
     _, n_stock, _ = count_syncs(decode_step(stock, padding_side=side))
+    _, n_deep, ops = count_syncs(decode_step(safepad.wrap(_model(family, 8)), padding_side=side))
+    assert n_deep <= n_stock, (8, n_deep, n_stock, ops)  # whatever the depth
     step = decode_step(safepad.wrap(copy.deepcopy(stock)), padding_side=side)
     logits, n, ops = count_syncs(step)
     assert n <= n_stock, (n, n_stock, ops)
