@@ -74,3 +74,22 @@ def test_half_precision_attention_is_float64_rounded_once(dtype):
     assert torch.equal(out, ref.to(dtype))
     fused, _ = sdpa_attention_forward(module, q, k, v, keep, scaling=0.25)
     assert not torch.equal(fused, ref.to(dtype)), "stock's fused kernel now rounds once too: the upcast may go"
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="compiled")])
+def test_uncached_left_padded_call_uses_rollout_positions(compiled):
+    """bf16 Bamba (RoPE): an uncached left-padded call without ``position_ids`` gives the logits of the same call
+    with ``position_ids = cumsum(mask) - 1`` (each token's position in its sequence, as generate's cached steps
+    use), eager and under ``torch.compile``. Before, it rotated at ``arange(T)``: other bf16 logits."""
+    model = safepad.wrap(tiny_model("bamba", dtype=torch.bfloat16))
+    ids, mask = _ids()
+    real_positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, T]
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=real_positions, use_cache=False).logits
+        run = torch.compile(model, backend="eager", dynamic=False) if compiled else model
+        got = run(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        slots = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1]).expand_as(ids),
+                      use_cache=False).logits  # fmt: skip
+    real = mask.bool()
+    assert torch.equal(got[real], ref[real])
+    assert not torch.equal(slots[1][real[1]], ref[1][real[1]]), "slot positions round alike: the test shows nothing"
