@@ -1,8 +1,9 @@
 """``safepad.wrap`` points ``"sdpa"`` attention at ``"safepad_sdpa"`` (float64 on bf16 / fp16 CPU tensors), and back.
 
 The rollout-parity consequences are tested in ``tests/rl/test_rollout_parity.py``; here: which configs change,
-that ``unwrap`` restores them, that float32 runs stock sdpa unchanged (bitwise), and that a bf16 attention
-output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not).
+that ``unwrap`` restores them, that float32 runs stock sdpa unchanged (bitwise), that a bf16 attention
+output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not), and that an
+uncached left-padded call of a hybrid rotates at the rollout's positions (eager and compiled).
 """
 
 from __future__ import annotations
