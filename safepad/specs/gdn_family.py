@@ -67,7 +67,12 @@ GDN_FAMILY = tuple(
             "fused in_proj_qkvz / in_proj_ba regrouped per key head; z gates the output norm",
         ),
         _gdn("qwen3_5", "Qwen3_5GatedDeltaNet", _QWEN3_5_TEXT, "fused qkv projection; z / b / a projected separately"),
-        _gdn("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", _QWEN3_5_TEXT, "as qwen3_5 (MoE feed-forward)"),
+        _gdn(
+            "qwen3_5_moe",
+            "Qwen3_5MoeGatedDeltaNet",
+            {**_QWEN3_5_TEXT, "router_loss_mask": True},  # Qwen3_5MoeForCausalLM: aux loss reads attention_mask
+            "as qwen3_5 (MoE feed-forward)",
+        ),
         _gdn("lara_mini", "LaraMiniGatedDeltaNet", _QWEN3_5, "as qwen3_5 (transformers 5.24; MoE, sliding attention)"),
         _gdn(
             "olmo_hybrid",

@@ -399,9 +399,10 @@ def _traced_hole_positions(module: nn.Module, info: dict, kwargs: dict, T: int, 
 
     Eager (``slot_calls``) re-lays an uncached call whose rows have a pad between real tokens (a hole), so that
     attention counts real tokens only: positions ``cumsum(mask) - 1`` when none are given. Traced, the same
-    positions come from the mask ``[B, T]`` on the device whenever some row has a hole (rows without one keep
-    ``arange(T)``, as eager leaves them). A family whose attention counts slots (sliding windows, slot distances)
-    would also need the re-lay itself, which a traced call cannot do: a hole there raises on the device.
+    positions come from the mask ``[B, T]`` on the device whenever some row has a hole, or (hybrids) a left pad
+    (otherwise rows keep ``arange(T)``, as eager leaves them). A family whose attention counts slots (sliding
+    windows, slot distances) would also need the re-lay itself, which a traced call cannot do: a hole there raises
+    on the device.
     """
     if mask is None or T < 2 or mask.shape[1] != T or not (info["hybrid"] or info.get("slot_distances")):
         return
@@ -416,6 +417,8 @@ def _traced_hole_positions(module: nn.Module, info: dict, kwargs: dict, T: int, 
             "(left or right padding), or make this call eagerly.",
         )
     arange = torch.arange(T, device=ids.device).expand(m.shape[0], T)  # [B, T]
+    if info["hybrid"]:  # left pads too, as eager (slot_calls._with_real_positions): the rollout's positions
+        holes = holes | pads_before_real(m).any()
     kwargs["position_ids"] = torch.where(holes, (m.long().cumsum(1) - 1).clamp(min=0), arange)  # [B, T]
 
 

@@ -21,6 +21,7 @@ from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
 from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 from ..specs.unsupported import unsupported_reason
+from .attention import restore_sdpa, use_upcast_sdpa
 from .checkpoint import _CheckpointWithContext
 from .hooks import install_model_hooks
 
@@ -168,6 +169,7 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
             f"(model_type={_model_type(model)!r}){reason}. Supported model types: {', '.join(supported_model_types())}."
         )
     install_model_hooks(model)
+    use_upcast_sdpa(model)  # bf16 / fp16 CPU attention: the decode step rounds like the full forward
     if patched:
         logger.info("safepad: wrapped %d mixer(s) of %s (backend=%s)", len(patched), _model_type(model), backend)
     return model
@@ -199,4 +201,5 @@ def unwrap(model: nn.Module) -> nn.Module:
             del module.__dict__["generate"]
         if isinstance(module.__dict__.get("prepare_inputs_for_generation"), SafepadPrepareInputs):
             del module.__dict__["prepare_inputs_for_generation"]
+    restore_sdpa(model)
     return model

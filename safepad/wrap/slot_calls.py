@@ -172,7 +172,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         if not (holes or refed):
             for check in info["slot_checks"]:
                 check(module, m[:, -T:])
-            return args, kwargs
+            return _with_real_positions(module, info, args, kwargs, m, T, past_len)
         uncached_holes = True
     else:
         uncached_holes = False
@@ -414,6 +414,30 @@ def _with_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: di
     named = dict(zip(params, args))
     named.update(kwargs)
     named["position_ids"] = (past_len + torch.arange(T, device=ids.device))[None].expand(B, T)
+    return (), named
+
+
+def _with_real_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, m: torch.Tensor, T: int,
+                         past_len: int):
+    """An uncached call of a hybrid with left-padded rows and without ``position_ids``: positions ``cumsum(m) - 1``.
+
+    ``m`` ``[B, T]`` bool (True = real). Each real token gets its position in its sequence alone (pads 0), the
+    positions the cached prefill and decode steps of ``generate`` give it (:func:`_decode_step`), instead of its
+    slot (``arange(T)``). Rotary attention depends only on the distance, but in bf16 / fp16 the rotated queries
+    and keys round differently at shifted positions: an RL training forward over ``[pads | prompt | completion]``
+    then differs from the rollout's cached steps by ~1e-3 in log-prob. Right-padded rows already have these
+    positions on their real tokens; nothing changes when no row has a pad before a real token.
+    """
+    params = info["params"]
+    if not info["hybrid"] or past_len != 0 or T < 2 or m.shape[1] != T:
+        return args, kwargs
+    if not info["accepts_position_ids"] or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
+        return args, kwargs
+    if not bool((m[:, 1:] & ~m[:, :-1]).any()):  # no row has a pad before a real token (one host read)
+        return args, kwargs
+    named = dict(zip(params, args))
+    named.update(kwargs)
+    named["position_ids"] = (m.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
     return (), named
 
 

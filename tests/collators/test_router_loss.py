@@ -4,7 +4,7 @@
 out of the router loss as it stays out of the LM loss. Reference: each sequence run ALONE through the stock model
 (no padding, no cache), its router logits concatenated over the sequences, and transformers' own
 ``load_balancing_loss_func`` of the family over them; its gradient with respect to the router weights too.
-Old: the pad tail's tokens counted (Jamba / Qwen3-Next), and GraniteMoeHybrid crashed inside that function on
+Old: the pad tail's tokens counted (Jamba / Qwen3-Next / Qwen3.5-MoE), and GraniteMoeHybrid crashed inside that function on
 any packed batch (``'dict' object has no attribute 'reshape'``).
 """
 
@@ -20,7 +20,7 @@ from safepad.collators import DataCollatorForPackedSSM
 from safepad.testing import tiny_model
 
 LENGTHS = (7, 12, 5)
-ROUTER_OVERRIDES = {"jamba": {"num_experts": 4}, "qwen3_next": {}, "granitemoehybrid": {}}
+ROUTER_OVERRIDES = {"jamba": {"num_experts": 4}, "qwen3_next": {}, "granitemoehybrid": {}, "qwen3_5_moe_text": {}}
 
 FAMILIES = [pytest.param(f, id=f) for f in ROUTER_OVERRIDES]
 LAYOUTS = [

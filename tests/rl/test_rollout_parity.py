@@ -12,10 +12,12 @@ log-probs (a ``_get_per_token_logps_and_entropies`` override), and asserts
   float32, and every op returns its output rounded once to the model dtype).
 
 Prompts are left-padded by TRL (2 prompts of 2 and 9 tokens, 3 generations each, 8 new tokens), completions
-right-padded after their eos. With larger batches (6 prompts of 2..40 tokens x 3) the bf16 gap reaches
-1e-3..4e-3 on Nemotron-H and Bamba (first seen mostly in the attention layer's cached step, sometimes as a
-one-ulp flip at a Mamba2 gated-norm output): not covered here. Run this module as a script to print the stock | wrapped table
-(``python -m tests.rl.test_rollout_parity``).
+right-padded after their eos; :data:`LARGE` repeats it on a realistic batch (6 prompts of 2..40 tokens x 3
+generations x 16 new tokens) in float32 and bfloat16. There every attention layer's cached step equals the
+training forward bitwise (:func:`test_cached_attention_step_equals_full_forward`); what remains in bf16 on the
+recurrent families is a one-ulp flip where a float32 recurrence output (decode step and chunked scan differ by
+~1e-6 relative) is rounded to bf16, which depends on the sampled tokens (docs/rl.md lists seeds 0-4). Run this
+module as a script to print the stock | wrapped tables (``python -m tests.rl.test_rollout_parity``).
 """
 
 from __future__ import annotations
@@ -50,16 +52,24 @@ def _tokenizer():
     return tok
 
 
-def _prompts(seed: int = 0) -> list[dict]:
+def _prompts(seed: int = 0, lengths: tuple[int, ...] = _PROMPT_LENGTHS) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    return [
-        {"prompt": " ".join(f"t{i}" for i in torch.randint(3, 256, (n,), generator=g).tolist())} for n in _PROMPT_LENGTHS
-    ]
+    return [{"prompt": " ".join(f"t{i}" for i in torch.randint(3, 256, (n,), generator=g).tolist())} for n in lengths]
 
 
-def grpo_rollout_gap(model, tmp_path, *, temperature: float = 1.0, seed: int = 0) -> tuple[float, int]:
-    """One ``GRPOTrainer`` step on ``model``; returns (max |log p at generation - log p in the training forward|
-    over every scored completion token, number of tokens compared)."""
+def grpo_rollout_gap(
+    model,
+    tmp_path,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+    prompt_lengths: tuple[int, ...] = _PROMPT_LENGTHS,
+    generations: int = _GENERATIONS,
+    new_tokens: int = _NEW_TOKENS,
+) -> tuple[float, int]:
+    """One ``GRPOTrainer`` step on ``model`` (one prompt per entry of ``prompt_lengths``, ``generations`` completions
+    of up to ``new_tokens`` tokens each); returns (max |log p at generation - log p in the training forward| over
+    every scored completion token, number of tokens compared)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -87,8 +97,8 @@ def grpo_rollout_gap(model, tmp_path, *, temperature: float = 1.0, seed: int = 0
 
     model.generate = capture_generate
     args = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=_GENERATIONS * len(_PROMPT_LENGTHS), num_generations=_GENERATIONS,
-        max_completion_length=_NEW_TOKENS, max_steps=1, learning_rate=1e-6, beta=0.0, temperature=temperature,
+        output_dir=str(tmp_path), per_device_train_batch_size=generations * len(prompt_lengths), num_generations=generations,
+        max_completion_length=new_tokens, max_steps=1, learning_rate=1e-6, beta=0.0, temperature=temperature,
         use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=seed, dataloader_num_workers=0,
     )  # fmt: skip
@@ -100,7 +110,7 @@ def grpo_rollout_gap(model, tmp_path, *, temperature: float = 1.0, seed: int = 0
             model=model,
             reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
             args=args,
-            train_dataset=Dataset.from_list(_prompts(seed)),
+            train_dataset=Dataset.from_list(_prompts(seed, prompt_lengths)),
             processing_class=_tokenizer(),
         )
         trainer.train()
@@ -142,19 +152,109 @@ def test_grpo_generation_logprobs_equal_training_logprobs(family, dtype, tmp_pat
     assert gap <= TARGET[dtype], f"{family} {dtype}: max |Δ log p| = {gap:.2e} over {n} tokens"
 
 
-def main() -> None:  # pragma: no cover - prints the table of docs/rl.md
+#: a realistic GRPO batch: 6 prompts of 2..40 tokens (left-padded by TRL) x 3 generations x 16 new tokens
+LARGE = {"prompt_lengths": (2, 5, 9, 17, 28, 40), "generations": 3, "new_tokens": 16}
+_BAMBA_FLIP = (
+    "bf16 Bamba, seed 0: 1.0e-3 from one one-ulp flip where its first Mamba2 layer's gated-norm output (float32, "
+    "the decode step's and the chunked scan's differ by ~5e-7) is rounded to bf16 for out_proj; every attention "
+    "layer agrees bitwise (test_cached_attention_step_equals_full_forward). Not a defect: docs/rl.md"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+)
+@pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in FAMILIES])
+def test_grpo_large_batch_generation_logprobs_equal_training_logprobs(family, dtype, tmp_path, request):
+    """The same through GRPOTrainer on a realistic batch (:data:`LARGE`, seed 0). Before the attention fix
+    (float32 CPU attention in half precision, rollout positions in the training forward) bf16 gave Nemotron-H
+    2.0e-3, Bamba 2.0e-3, Qwen3-Next 9.8e-4. The remaining bf16 gap of the recurrent families is a one-ulp
+    flip that depends on the sampled tokens (docs/rl.md: over seeds 0-4 it exceeds the target on some seeds of
+    Nemotron-H, Bamba and Qwen3-Next); seed 0 shows it on Bamba only."""
+    if family == "bamba" and dtype == torch.bfloat16:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=_BAMBA_FLIP))
+    torch.set_num_threads(1)
+    gap, n = grpo_rollout_gap(_model(family, dtype, wrapped=True), tmp_path, **LARGE)
+    assert gap <= TARGET[dtype], f"{family} {dtype}: max |Δ log p| = {gap:.2e} over {n} tokens"
+
+
+def _left_padded(lengths: tuple[int, ...], copies: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``copies`` rows per prompt length, left-padded: (input_ids ``[B, P]``, attention_mask ``[B, P]``)."""
+    g = torch.Generator().manual_seed(seed)
+    P, B = max(lengths), len(lengths) * copies
+    ids, mask = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, P, dtype=torch.long)
+    for b, n in enumerate(n for n in lengths for _ in range(copies)):
+        ids[b, P - n :] = torch.randint(3, 256, (n,), generator=g)
+        mask[b, P - n :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in FAMILIES])
+def test_cached_attention_step_equals_full_forward(family):
+    """bf16, wrapped: each attention layer gives a cached decode step the same output, bitwise, as the training
+    forward over ``[left-padded prompt | completion]`` gives that token, whenever its input and the inputs before
+    it (its cached keys / values) are the same.
+
+    Before: not so on any of the four families (max 1.2e-4..2.4e-4 at the attention output), for two reasons.
+    torch's fused CPU attention kernel rounds the softmax probabilities to bf16 in blocks sized by the query
+    length, and the training forward rotated queries and keys at slot positions (``arange(T)``) where the
+    rollout used each token's real position (same distances, other bf16 roundings).
+    """
+    torch.set_num_threads(1)
+    model = safepad.wrap(tiny_model(family, dtype=torch.bfloat16))
+    attention = [m for m in model.modules() if hasattr(m, "q_proj")]
+    assert attention, f"{family}: no attention layer found"
+    calls: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {id(m): [] for m in attention}
+
+    def record(module, args, kwargs, out):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # [B, T, hidden]
+        calls[id(module)].append((hidden.detach().clone(), out[0].detach().clone()))  # out[0]: [B, T, hidden]
+
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in attention]
+    ids, mask = _left_padded(LARGE["prompt_lengths"], LARGE["generations"])
+    P, C = ids.shape[1], LARGE["new_tokens"]
+    try:
+        torch.manual_seed(0)
+        seqs = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=C, min_new_tokens=C, do_sample=True, pad_token_id=0
+        )  # [B, P + C]
+        rollout = {k: list(v) for k, v in calls.items()}
+        for v in calls.values():
+            v.clear()
+        model.train()  # as GRPOTrainer's training forward
+        with torch.no_grad():
+            model(input_ids=seqs, attention_mask=torch.cat([mask, torch.ones_like(seqs[:, P:])], 1), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    compared = differ = 0
+    real = mask.bool()[..., None]  # [B, P, 1]
+    for key, steps in rollout.items():
+        (full_in, full_out), = calls[key]  # [B, P + C, hidden]
+        prefill_in = steps[0][0]  # [B, P, hidden]
+        same_in = ((prefill_in == full_in[:, :P]) | ~real).all(-1).all(-1)  # [B] every cached key / value alike
+        for s, (step_in, step_out) in enumerate(steps[1:]):  # decode step s feeds the token at P + s
+            same_in = same_in & (step_in[:, 0] == full_in[:, P + s]).all(-1)  # [B] this input and all before it
+            compared += int(same_in.sum())
+            differ += int((same_in & (step_out[:, 0] != full_out[:, P + s]).any(-1)).sum())
+    assert compared > 0, "no decode step saw the training forward's input"
+    assert differ == 0, f"{family}: {differ} of {compared} attention outputs differ between decode and training"
+
+
+def main() -> None:  # pragma: no cover - prints the tables of docs/rl.md
     import tempfile
 
     torch.set_num_threads(1)
-    print("| family | stock fp32 | wrapped fp32 | stock bf16 | wrapped bf16 |")
-    print("|---|---|---|---|---|")
-    for family in FAMILIES:
-        cells = []
-        for dtype in (torch.float32, torch.bfloat16):
-            for wrapped in (False, True):
-                with tempfile.TemporaryDirectory() as tmp:
-                    cells.append(f"{grpo_rollout_gap(_model(family, dtype, wrapped), tmp)[0]:.1e}")
-        print(f"| {family} | " + " | ".join(cells) + " |", flush=True)
+    for title, shape in (("2 prompts (2, 9 tokens) x 3 x 8", {}), ("6 prompts (2..40 tokens) x 3 x 16", LARGE)):
+        print(f"\n{title}\n| family | stock fp32 | wrapped fp32 | stock bf16 | wrapped bf16 |")
+        print("|---|---|---|---|---|")
+        for family in FAMILIES:
+            cells = []
+            for dtype in (torch.float32, torch.bfloat16):
+                for wrapped in (False, True):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        cells.append(f"{grpo_rollout_gap(_model(family, dtype, wrapped), tmp, **shape)[0]:.1e}")
+            print(f"| {family} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

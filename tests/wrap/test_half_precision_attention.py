@@ -1,0 +1,96 @@
+"""``safepad.wrap`` points ``"sdpa"`` attention at ``"safepad_sdpa"`` (float64 on bf16 / fp16 CPU tensors), and back.
+
+The rollout-parity consequences are tested in ``tests/rl/test_rollout_parity.py``; here: which configs change,
+that ``unwrap`` restores them, that float32 runs stock sdpa unchanged (bitwise), that a bf16 attention
+output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not), and that an
+uncached left-padded call of a hybrid rotates at the rollout's positions (eager and compiled).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import safepad
+from safepad.testing.tiny import tiny_model
+
+attention = importlib.import_module("safepad.wrap.attention")
+
+
+def _ids(B: int = 3, T: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :4] = 0  # a left-padded row
+    return ids, mask
+
+
+def test_wrap_points_sdpa_configs_at_safepad_sdpa_and_unwrap_restores():
+    model = tiny_model("bamba")
+    assert model.config._attn_implementation == "sdpa"
+    safepad.wrap(model)
+    assert model.config._attn_implementation == attention.UPCAST_SDPA
+    safepad.wrap(model)  # idempotent
+    assert model.config._attn_implementation == attention.UPCAST_SDPA
+    safepad.unwrap(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_eager_attention_is_left_alone():
+    model = tiny_model("bamba")
+    model.set_attn_implementation("eager")
+    safepad.wrap(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_float32_logits_are_stock_sdpa_bitwise():
+    """float32: the same wrapped model gives the same logits through "sdpa" and "safepad_sdpa"."""
+    model = safepad.wrap(tiny_model("bamba"))
+    ids, mask = _ids()
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).logits
+        model.config._attn_implementation = "sdpa"
+        stock = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(ours, stock)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_half_precision_attention_is_float64_rounded_once(dtype):
+    """bf16 / fp16 on CPU: the output is float64 sdpa of the same inputs, rounded once (stock's fused kernel,
+    which rounds the softmax probabilities to the input dtype, is not: checked as the negative control)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = tiny_model("bamba").model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(4, 4, 40, 16, generator=g) * 2).to(dtype)  # [B, Hq, T, d]
+    k = (torch.randn(4, 2, 40, 16, generator=g) * 2).to(dtype)  # [B, Hk, T, d]
+    v = torch.randn(4, 2, 40, 16, generator=g).to(dtype)
+    keep = torch.ones(40, 40, dtype=torch.bool).tril()[None, None].repeat(4, 1, 1, 1)  # [B, 1, T, T]
+    keep[1, ..., :7] = False  # a left-padded row
+    keep[1, :, :7, 0] = True  # (its pad queries see one key: no fully masked row)
+    out, _ = attention.upcast_sdpa_forward(module, q, k, v, keep, scaling=0.25)  # [B, T, Hq, d]
+    ref, _ = sdpa_attention_forward(module, q.double(), k.double(), v.double(), keep, scaling=0.25)
+    assert out.dtype == dtype
+    assert torch.equal(out, ref.to(dtype))
+    fused, _ = sdpa_attention_forward(module, q, k, v, keep, scaling=0.25)
+    assert not torch.equal(fused, ref.to(dtype)), "stock's fused kernel now rounds once too: the upcast may go"
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="compiled")])
+def test_uncached_left_padded_call_uses_rollout_positions(compiled):
+    """bf16 Bamba (RoPE): an uncached left-padded call without ``position_ids`` gives the logits of the same call
+    with ``position_ids = cumsum(mask) - 1`` (each token's position in its sequence, as generate's cached steps
+    use), eager and under ``torch.compile``. Before, it rotated at ``arange(T)``: other bf16 logits."""
+    model = safepad.wrap(tiny_model("bamba", dtype=torch.bfloat16))
+    ids, mask = _ids()
+    real_positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, T]
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=real_positions, use_cache=False).logits
+        run = torch.compile(model, backend="eager", dynamic=False) if compiled else model
+        got = run(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        slots = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1]).expand_as(ids),
+                      use_cache=False).logits  # fmt: skip
+    real = mask.bool()
+    assert torch.equal(got[real], ref[real])
+    assert not torch.equal(slots[1][real[1]], ref[1][real[1]]), "slot positions round alike: the test shows nothing"
