@@ -187,7 +187,10 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     if bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
-    call = SlotJustifiedCall(m, past_len)
+    # a cache no call re-laid holds its rows as the caller's mask lays them out (a one-token step with a pad leaves
+    # [reals | pad], _decode_step): its slots are re-laid from that layout; a re-laid one is justified
+    relaid = bool(getattr(cache, _RELAID_FLAG, False))
+    call = SlotJustifiedCall(m, past_len, past_slots=None if relaid else m[:, :past_len])
     for check in info["slot_checks"]:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=generating is None)
