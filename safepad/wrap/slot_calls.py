@@ -56,7 +56,7 @@ class _GenerateShift:
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("as_tuple", "call", "keep", "labels", "loss_kwargs", "padded", "restore", "shape", "shift")
+    __slots__ = ("as_tuple", "cache", "call", "keep", "labels", "loss_kwargs", "padded", "restore", "shape", "shift")
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
                  restore: bool = True):
@@ -72,6 +72,8 @@ class SlotRecord:
         # the caller asked for a tuple (return_dict=False, or a config that returns tuples): the forward returns a
         # ModelOutput, whose fields are named (slot_restore puts each back by its name), and to_tuple() is returned
         self.as_tuple = False
+        # the cache handed in: marked re-laid / padded when the output carries none (RecurrentGemma)
+        self.cache = None
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -194,6 +196,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     for check in info["slot_checks"]:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, not bool(call.mask.all()), restore=generating is None)
+    record.cache = cache
     module._safepad_slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
@@ -419,7 +422,7 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         call.uninstall()
     if output is None:  # the forward raised
         return None
-    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
+    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), record.cache)
     if record.shift is not None and cache is not None:
         setattr(cache, _SHIFT_ATTR, _GenerateShift(*record.shift))
     if record.padded and cache is not None and not recurrent_only(cache):  # slots only in attention layers
