@@ -115,13 +115,6 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "(the shrunk program passes on a fresh model: state carried across calls, not found yet)",
     ),
     KnownDefect(
-        "new-3",
-        lambda f, r, c: f == "qwen4_exp" and r == "generate" and not c.get("use_cache", True)
-        and c.get("right", False),
-        "qwen4_exp (the multimodal model; qwen4_exp_text passes) generate(use_cache=False) with right-padded "
-        "prompts: 1.8e-4 against the prompt alone (tolerance 1e-4)",
-    ),
-    KnownDefect(
         "new-4",
         lambda f, r, c: f == "qwen4_exp" and r == "generate_more",
         "qwen4_exp (the multimodal model): generate continuing a cache raises transformers' inputs_embeds error "

@@ -227,6 +227,10 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
     elif shift is not None:
         named["position_ids"] = position_ids + shift.to(position_ids.device)
+    elif stacked and uncached_holes:
+        # generate(use_cache=False) re-feeds every column with the [K, B, T] positions it extended from each
+        # row's last prompt column, a pad after a right-padded prompt: the new tokens continue the last real one
+        named["position_ids"] = _refed_stacked_positions(position_ids, m)
     if call.noop:
         return (), named
     if uncached_holes and ("use_cache" in params or info["var_kwargs"]):
@@ -369,6 +373,38 @@ def _last_real_shift(position_ids: torch.Tensor, cur: torch.Tensor) -> torch.Ten
     idx = last.to(pos.device)[None, :, None].expand(pos.shape[0], B, 1)
     shift = pos.gather(2, idx) - pos[..., -1:]
     return shift * cur.any(1).to(shift.dtype)[None, :, None].to(shift.device)
+
+
+def _refed_stacked_positions(position_ids: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The ``[K, B, T]`` positions of a call that ``generate(use_cache=False)`` re-feeds whole, with the tokens it
+    generated after a prompt that ends in pads continuing from the prompt's last real token.
+
+    generate() extends positions from each row's last column: where the prompt of a row ends in a pad (column
+    ``c``, the row's last pad, with a real token before it), the columns after ``c`` got ``P[c] + 1 + j``; they
+    should get ``P[r] + 1 + j`` (``r`` the last real column before ``c``), so they are shifted by ``P[r] - P[c]``
+    (per rotary row, as :func:`_last_real_shift` does for a cache). A row whose columns after its last pad are
+    prompt tokens (a hole in the prompt: their positions count its real tokens already, ``P[c + 1] = P[r] + 1``)
+    is left as it is; where both readings hold the shift is 0. ``m`` ``[B, T]`` bool (True = real).
+    """
+    K = position_ids.shape[0]
+    B, T = m.shape
+    pos = position_ids.expand(K, B, T)
+    out = pos.clone()
+    cols = torch.arange(T, device=m.device)
+    for b in range(B):
+        pads = (~m[b]).nonzero().flatten()
+        if pads.numel() == 0 or int(pads[-1]) == T - 1:
+            continue
+        c = int(pads[-1])
+        reals = (m[b, :c]).nonzero().flatten()
+        if reals.numel() == 0:
+            continue
+        r = int(reals[-1])
+        p = pos[:, b]  # [K, T]
+        if not bool((p[:, c + 1] == p[:, c] + 1).all()):
+            continue  # the columns after the last pad are the prompt's own (a hole)
+        out[:, b] = torch.where(cols.to(p.device) > c, p + (p[:, r : r + 1] - p[:, c : c + 1]), p)
+    return out
 
 
 def _mrope(module: nn.Module) -> bool:
