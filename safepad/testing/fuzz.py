@@ -114,13 +114,6 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "1.1e-3, lfm2_vl 4.8e-4 against the prompt alone), only after earlier sequences on the same model object "
         "(the shrunk program passes on a fresh model: state carried across calls, not found yet)",
     ),
-    KnownDefect(
-        "new-4",
-        lambda f, r, c: f == "qwen4_exp" and r == "generate_more",
-        "qwen4_exp (the multimodal model): generate continuing a cache raises transformers' inputs_embeds error "
-        "after earlier sequences on the same model object (the shrunk program passes on a fresh model: state "
-        "carried across calls, perhaps the model's rope deltas; not found yet)",
-    ),
 )
 
 

@@ -111,3 +111,27 @@ def test_pad_decode_step_then_chunk_two_rows(family: str) -> None:
     s.chunk([[None], [5]], position_ids=False)
     s.chunk([[3, None], [4, 6]], position_ids=False, output_attentions=True)
     s.generate_more([5], 2)
+
+
+# qwen4_exp (the VLM) keeps rope_deltas on the model: generate continuing a cache added those of an earlier generate
+# on other rows to its positions ("size of tensor a (2) must match the size of tensor b (3)" from inside transformers,
+# fuzz new-4): a cache gets back the deltas of the generate that returned it, or none
+@pytest.mark.parametrize("family", [_param("qwen4_exp", id="qwen4_exp")])
+def test_generate_continuing_a_prefill_after_generate_on_other_rows(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.generate([[3, 4, 5], [3, 3, None], [3, 3, 3]], max_new_tokens=2, use_cache=True, mode="greedy",
+               num_return_sequences=1, keep=False)
+    s.prefill([[3, 5], [7, None]])
+    s.generate_more([5], 2)
+
+
+@pytest.mark.parametrize("family", [_param("qwen4_exp", id="qwen4_exp")])
+def test_generate_continuing_its_cache_after_generate_on_other_rows(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.generate([[3, 4], [5, None]], max_new_tokens=2, use_cache=True, mode="greedy", num_return_sequences=1,
+               keep=True)
+    s.fork()
+    s.generate([[3, 4, 5], [3, 3, None], [3, 3, 3]], max_new_tokens=2, use_cache=True, mode="greedy",
+               num_return_sequences=1, keep=False)
+    s.restore(copy=True)
+    s.generate_more([5], 2)
