@@ -191,7 +191,8 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     # a cache no call re-laid holds its rows as the caller's mask lays them out (a one-token step with a pad leaves
     # [reals | pad], _decode_step): its slots are re-laid from that layout; a re-laid one is justified
-    relaid = bool(getattr(cache, _RELAID_FLAG, False))
+    # (a cache without attention layers has no slots to re-lay)
+    relaid = bool(getattr(cache, _RELAID_FLAG, False)) or cache is None or recurrent_only(cache)
     call = SlotJustifiedCall(m, past_len, past_slots=None if relaid else m[:, :past_len])
     for check in info["slot_checks"]:
         check(module, call.mask)
