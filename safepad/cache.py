@@ -725,13 +725,12 @@ def _rope_deltas_holders(model: Any) -> list:
 
 
 def _keep_rope_deltas(model: Any, cache: Any) -> None:
-    """After ``generate``: the ``rope_deltas`` it left on the model belong to the cache it returned."""
-    if cache is None:
-        return
+    """After ``generate`` (returned or raised; ``cache`` the one it returned, or None): the ``rope_deltas`` it left
+    on the model are a ``generate`` call's (not a prefill's), and belong to that cache."""
     for holder in _rope_deltas_holders(model):
-        cache.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas
-        holder.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas  # those of a generate call (not of a prefill)
-        return
+        holder.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas
+        if cache is not None:
+            cache.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas
 
 
 def _rope_deltas_of_cache(model: Any, cache: Any) -> None:
@@ -789,6 +788,7 @@ class SafepadGenerate:
         finally:
             _IN_WRAPPED_GENERATE.reset(quiet)
             _GEN_COUNTS.reset(token)
+            _keep_rope_deltas(model, None)  # (use_cache=False, or raised: no cache to keep them on)
         for cache, read, ids in counts.values():  # what each cache has read, kept on the cache (_record)
             if read is None and (isinstance(cache, _TracksSeqLength) or not recurrent_only(cache)):
                 read = _counted_length(cache)

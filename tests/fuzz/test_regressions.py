@@ -135,3 +135,14 @@ def test_generate_continuing_its_cache_after_generate_on_other_rows(family: str)
                num_return_sequences=1, keep=False)
     s.restore(copy=True)
     s.generate_more([5], 2)
+
+
+# the same after a generate(use_cache=False) on two rows: it returns no cache, and its rope_deltas stayed on the model
+# (found by the fixed-seed tier with 30 call sequences)
+@pytest.mark.parametrize("family", [_param("qwen4_exp", id="qwen4_exp")])
+def test_generate_continuing_a_prefill_after_uncached_generate(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.generate([[3, 4, 5], [3, 3, None]], max_new_tokens=2, use_cache=False, mode="greedy", num_return_sequences=1,
+               keep=False)
+    s.prefill([[3]], position_ids=False)
+    s.generate_more([3], 1)
