@@ -733,7 +733,7 @@ def _keep_rope_deltas(model: Any, cache: Any) -> None:
             cache.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas
 
 
-def _rope_deltas_of_cache(model: Any, cache: Any) -> None:
+def _rope_deltas_of_cache(model: Any, cache: Any, rows: int | None = None) -> None:
     """Before ``generate`` continues ``cache``: the model's ``rope_deltas`` are the cache's own.
 
     transformers keeps them on the model, from its last multimodal prefill or ``generate``, and a ``generate``
@@ -741,10 +741,15 @@ def _rope_deltas_of_cache(model: Any, cache: Any) -> None:
     another batch's (a shape error, or another sequence's offsets). The cache's own (kept by
     :func:`_keep_rope_deltas`) are put back; a cache no ``generate`` returned gets none when the model's are
     another ``generate``'s (the positions then come from the mask, as for text), and keeps what a prefill set.
+    ``rows``: the call's batch size; kept deltas of fewer rows (one per prompt of a ``generate`` that returned
+    ``num_return_sequences`` or beams per prompt, ``[P, 1]``) are repeated per prompt, as generate expands rows.
     """
     for holder in _rope_deltas_holders(model):
         if _ROPE_DELTAS_ATTR in cache.__dict__:
-            holder.rope_deltas = cache.__dict__[_ROPE_DELTAS_ATTR]
+            deltas = cache.__dict__[_ROPE_DELTAS_ATTR]
+            if isinstance(deltas, Tensor) and rows and deltas.shape[0] != rows and rows % deltas.shape[0] == 0:
+                deltas = deltas.repeat_interleave(rows // deltas.shape[0], dim=0)  # [rows, 1]
+            holder.rope_deltas = deltas
         elif holder.rope_deltas is not None and holder.__dict__.get(_ROPE_DELTAS_ATTR) is holder.rope_deltas:
             holder.rope_deltas = None
 
@@ -774,7 +779,8 @@ class SafepadGenerate:
             kwargs[name] = new_tracked_cache(model.config, owned=True)
         counts: dict = {}
         if given is not None:
-            _rope_deltas_of_cache(model, given)
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            _rope_deltas_of_cache(model, given, ids.shape[0] if isinstance(ids, Tensor) and ids.dim() == 2 else None)
         token = _GEN_COUNTS.set(counts)
         quiet = _quiet_right_padding_warning()
         try:

@@ -146,3 +146,13 @@ def test_generate_continuing_a_prefill_after_uncached_generate(family: str) -> N
                keep=False)
     s.prefill([[3]], position_ids=False)
     s.generate_more([3], 1)
+
+
+# generate with num_return_sequences=2 keeps one rope_delta per prompt ([2, 1]) while its cache holds 4 rows: the
+# continuation raised a size mismatch inside transformers (fixed-seed tier, 30 call sequences)
+@pytest.mark.parametrize("family", [_param("qwen4_exp", id="qwen4_exp")])
+def test_generate_continuing_a_cache_of_several_sequences_per_prompt(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.generate([[3, 3, 3, 3, 3], [3, None, None, None, None]], max_new_tokens=1, use_cache=True, mode="sample",
+               num_return_sequences=2, keep=True)
+    s.generate_more([3], 1)
