@@ -714,6 +714,46 @@ def _quiet_right_padding_warning() -> contextvars.Token:
     return _IN_WRAPPED_GENERATE.set(True)
 
 
+#: the multimodal-rotary position offsets (``rope_deltas`` ``[B, 1]``, Qwen-VL-style models) that a ``generate`` call
+#: left on its model, kept on the cache it returned (:func:`_keep_rope_deltas`)
+_ROPE_DELTAS_ATTR = "_safepad_rope_deltas"
+
+
+def _rope_deltas_holders(model: Any) -> list:
+    """The modules of ``model`` that keep ``rope_deltas`` between calls (a transformers M-RoPE convention)."""
+    return [m for m in model.modules() if "rope_deltas" in m.__dict__]
+
+
+def _keep_rope_deltas(model: Any, cache: Any) -> None:
+    """After ``generate`` (returned or raised; ``cache`` the one it returned, or None): the ``rope_deltas`` it left
+    on the model are a ``generate`` call's (not a prefill's), and belong to that cache."""
+    for holder in _rope_deltas_holders(model):
+        holder.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas
+        if cache is not None:
+            cache.__dict__[_ROPE_DELTAS_ATTR] = holder.rope_deltas
+
+
+def _rope_deltas_of_cache(model: Any, cache: Any, rows: int | None = None) -> None:
+    """Before ``generate`` continues ``cache``: the model's ``rope_deltas`` are the cache's own.
+
+    transformers keeps them on the model, from its last multimodal prefill or ``generate``, and a ``generate``
+    continuing a cache adds them to the positions of its tokens: after a ``generate`` on other rows they are
+    another batch's (a shape error, or another sequence's offsets). The cache's own (kept by
+    :func:`_keep_rope_deltas`) are put back; a cache no ``generate`` returned gets none when the model's are
+    another ``generate``'s (the positions then come from the mask, as for text), and keeps what a prefill set.
+    ``rows``: the call's batch size; kept deltas of fewer rows (one per prompt of a ``generate`` that returned
+    ``num_return_sequences`` or beams per prompt, ``[P, 1]``) are repeated per prompt, as generate expands rows.
+    """
+    for holder in _rope_deltas_holders(model):
+        if _ROPE_DELTAS_ATTR in cache.__dict__:
+            deltas = cache.__dict__[_ROPE_DELTAS_ATTR]
+            if isinstance(deltas, Tensor) and rows and deltas.shape[0] != rows and rows % deltas.shape[0] == 0:
+                deltas = deltas.repeat_interleave(rows // deltas.shape[0], dim=0)  # [rows, 1]
+            holder.rope_deltas = deltas
+        elif holder.rope_deltas is not None and holder.__dict__.get(_ROPE_DELTAS_ATTR) is holder.rope_deltas:
+            holder.rope_deltas = None
+
+
 class SafepadGenerate:
     """``model.generate`` of a wrapped model whose cache has no attention layer.
 
@@ -738,6 +778,9 @@ class SafepadGenerate:
         elif name is not None and self._generate_builds_cache(model, kwargs):
             kwargs[name] = new_tracked_cache(model.config, owned=True)
         counts: dict = {}
+        if given is not None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            _rope_deltas_of_cache(model, given, ids.shape[0] if isinstance(ids, Tensor) and ids.dim() == 2 else None)
         token = _GEN_COUNTS.set(counts)
         quiet = _quiet_right_padding_warning()
         try:
@@ -751,6 +794,7 @@ class SafepadGenerate:
         finally:
             _IN_WRAPPED_GENERATE.reset(quiet)
             _GEN_COUNTS.reset(token)
+            _keep_rope_deltas(model, None)  # (use_cache=False, or raised: no cache to keep them on)
         for cache, read, ids in counts.values():  # what each cache has read, kept on the cache (_record)
             if read is None and (isinstance(cache, _TracksSeqLength) or not recurrent_only(cache)):
                 read = _counted_length(cache)
@@ -759,6 +803,7 @@ class SafepadGenerate:
                 continue
             ids = ids[:, :read] if isinstance(ids, Tensor) and ids.shape[1] >= read else None
             cache.__dict__[_RECORD_ATTR] = (read, ids, _state_versions(cache))
+        _keep_rope_deltas(model, output_cache(out))
         return out
 
     @staticmethod

@@ -50,9 +50,11 @@ def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -
     """Re-lay ``[past ‖ new]`` so each row's pads come before all of its real slots.
 
     Args:
-        past: ``[B, H, S, D]`` cached keys (or values) of one layer, each row ``[pads | reals]``.
+        past: ``[B, H, S, D]`` cached keys (or values) of one layer.
         new: ``[B, H, T, D]`` this call's keys, each row ``[pads | reals]`` (step 1 above).
-        past_real: ``[B]`` real slots among the ``S`` stored ones (the last ones).
+        past_real: ``[B]`` real slots among the ``S`` stored ones, the last ones (each stored row
+            ``[pads | reals]``); or ``[B, S]`` bool, which stored slots are real (a row laid out otherwise, e.g. by
+            a one-token step with a pad on a cache never re-laid: ``[reals | pad]``).
         new_real: ``[B]`` real tokens among the ``T`` new ones (the last ones).
 
     Returns:
@@ -68,7 +70,8 @@ def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -
         shifted = torch.cat([torch.zeros_like(past[:, :, :1]), past[:, :, :-1]], dim=2)  # [B, H, S, D]
         return torch.where(pad, shifted, past), torch.where(pad, past[:, :, -1:], new)
     full = torch.cat([past, new], dim=2)  # [B, H, S + T, D]
-    valid = torch.cat([justified_mask(past_real, S), justified_mask(new_real, T)], dim=1)  # [B, S + T]
+    past_valid = past_real.to(torch.bool) if past_real.dim() == 2 else justified_mask(past_real, S)  # [B, S]
+    valid = torch.cat([past_valid.to(new_real.device), justified_mask(new_real, T)], dim=1)  # [B, S + T]
     order = pads_first_order(valid)  # [B, S + T]
     idx = order[:, None, :, None].expand(B, full.shape[1], S + T, full.shape[3])  # [B, H, S + T, D]
     out = full.gather(2, idx)
@@ -78,6 +81,16 @@ def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -
 
 
 _PLAIN_UPDATE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+def _last_slots(past_slots: Tensor, stored: int) -> Tensor:
+    """``[B, stored]`` bool: which of a layer's ``stored`` slots are real, given ``past_slots`` ``[B, L]`` of the
+    ``L`` cached slots (a layer stores the last ``stored`` of them; more than ``L``: the extra leading ones are not
+    real)."""
+    L = past_slots.shape[1]
+    if stored <= L:
+        return past_slots[:, L - stored :]
+    return torch.cat([past_slots.new_zeros(past_slots.shape[0], stored - L), past_slots], dim=1)
 
 
 def _plain_dynamic(layer) -> bool:
@@ -91,10 +104,10 @@ def _plain_dynamic(layer) -> bool:
 class _JustifyingUpdate:
     """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update."""
 
-    def __init__(self, cache, n_past: Tensor, new_real: Tensor, decode: bool = False):
+    def __init__(self, cache, past_slots: Tensor, new_real: Tensor, decode: bool = False):
         self.cache = cache
         self.original = type(cache).update.__get__(cache)
-        self.n_past = n_past  # [B]
+        self.past_slots = past_slots  # [B, L] bool: the real ones among the cached slots
         self.new_real = new_real  # [B]
         self.decode = decode  # a decode step: it re-lays only when its token is a pad (unknown on the host)
 
@@ -111,13 +124,13 @@ class _JustifyingUpdate:
                     f"keys to be re-laid in place, which {type(layer).__name__} (layer {layer_idx}) does not allow. "
                     "Use a DynamicCache (the default), or pad on the left."
                 )
-            if keys.shape[0] != self.n_past.shape[0]:
+            if keys.shape[0] != self.past_slots.shape[0]:
                 raise ValueError(
                     f"safepad: cache layer {layer_idx} holds {keys.shape[0]} rows but the call has "
-                    f"{self.n_past.shape[0]}"
+                    f"{self.past_slots.shape[0]}"
                 )
-            # stored slots are the last `stored` of the `past_len` cached ones, and real slots are the last ones
-            past_real = self.n_past.clamp(max=stored)
+            # stored slots are the last `stored` of the `past_len` cached ones
+            past_real = _last_slots(self.past_slots, stored)  # [B, stored]
             layer.keys, key_states = justify_kv(layer.keys, key_states, past_real, self.new_real)
             layer.values, value_states = justify_kv(layer.values, value_states, past_real, self.new_real)
         return self.original(key_states, value_states, layer_idx, *args, **kwargs)
@@ -130,10 +143,10 @@ class _JustifyingIndexerUpdate:
     in the justified layout by then, so that the slots it selects are the ones the re-laid keys occupy.
     """
 
-    def __init__(self, cache, n_past: Tensor, new_real: Tensor, decode: bool = False):
+    def __init__(self, cache, past_slots: Tensor, new_real: Tensor, decode: bool = False):
         self.cache = cache
         self.original = type(cache).update_indexer.__get__(cache)
-        self.n_past = n_past  # [B]
+        self.past_slots = past_slots  # [B, L] bool: the real ones among the cached slots
         self.new_real = new_real  # [B]
         self.decode = decode
 
@@ -150,7 +163,7 @@ class _JustifyingIndexerUpdate:
                     f"{layer_idx} to be re-laid in place, which {type(layer).__name__} does not allow. Use a "
                     "DynamicCache (the default), or pad on the left."
                 )
-            past_real = self.n_past.clamp(max=stored)
+            past_real = _last_slots(self.past_slots, stored)  # [B, stored]
             past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real)  # [B, 1, S|T, F]
             layer.indexer_keys, states = past[:, 0], new[:, 0]
         return self.original(states, layer_idx, *args, **kwargs)
@@ -169,22 +182,23 @@ def _dynamic_indexer_update():
     return None if cls is None else cls.update_indexer
 
 
-def _justify_position_history(cache, n_past: Tensor, n_new: Tensor, T: int) -> Tensor | None:
+def _justify_position_history(cache, past_slots: Tensor, n_new: Tensor, T: int) -> Tensor | None:
     """Re-lay a cache layer's stored per-slot positions ``[K, B, S]`` (``indexer_position_ids``, Qwen4-Exp) now.
 
     The model concatenates them with the chunk's positions before any layer runs, so they must be in the
-    justified layout before the forward; the stored slots' re-lay depends only on counts (:func:`justify_kv`).
+    justified layout before the forward; the stored slots' re-lay depends only on which slots are real
+    (``past_slots`` ``[B, L]`` bool, :func:`justify_kv`).
     Returns ``[K, B, T]``: the stored positions of the cached slots the re-lay moves into the chunk's columns
     (0 elsewhere), which the chunk's positions must carry there; None without a history.
     """
     moved = None
     for layer in getattr(cache, "layers", ()):
         hist = getattr(layer, "indexer_position_ids", None)
-        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != n_past.shape[0]:
+        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != past_slots.shape[0]:
             continue
         S = hist.shape[-1]
         h = hist.permute(1, 0, 2)[..., None]  # [B, K, S, 1]
-        past, new = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), n_past.clamp(max=S), n_new)
+        past, new = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), _last_slots(past_slots, S), n_new)
         layer.indexer_position_ids = past[..., 0].permute(1, 0, 2).contiguous()  # [K, B, S]
         moved = new[..., 0].permute(1, 0, 2) if moved is None else moved  # [K, B, T]
     return moved
@@ -196,6 +210,9 @@ class SlotJustifiedCall:
     Args:
         full_mask: ``[B, L + T]`` bool attention mask of the cached slots plus the current tokens.
         past_len: ``L``, the slots the cache already holds (0 without a cache).
+        past_slots: ``[B, L]`` bool, which cached slots hold real tokens, where the cache rows are laid out as the
+            caller's mask says (a cache no call has re-laid: after a one-token step with a pad, a row is
+            ``[reals | pad]``); None: the cache rows are justified (``[pads | reals]``, ``n_past`` real ones).
 
     Attributes:
         order: ``[B, T]`` long, ``x_new[:, i] = x[:, order[:, i]]``, or None when the chunk needs no reordering.
@@ -208,10 +225,12 @@ class SlotJustifiedCall:
             rows whose step token is a pad).
     """
 
-    def __init__(self, full_mask: Tensor, past_len: int):
+    def __init__(self, full_mask: Tensor, past_len: int, past_slots: Tensor | None = None):
         B, total = full_mask.shape
         T = total - past_len
-        if T == 1:  # a decode step: every decision on the device (no host read)
+        if T == 1:  # a decode step: every decision on the device (no host read); its cache rows are justified
+            if past_slots is not None:
+                raise ValueError("safepad: a one-token SlotJustifiedCall re-lays a justified cache only (past_slots=None)")
             self._init_step(full_mask, past_len)
             return
         self.past_len, self.T = past_len, T
@@ -225,8 +244,13 @@ class SlotJustifiedCall:
         already = bool(torch.equal(cur, justified_mask(self.n_new, T)))
         self.order = None if already else pads_first_order(cur)  # [B, T]
         self.inverse = None if self.order is None else torch.argsort(self.order, dim=1)  # [B, T]
-        # the cached slots must move when some row gets new pads and holds something already
-        self.relay = past_len > 0 and bool((self.n_new < T).any())
+        justified_past = justified_mask(self.n_past, past_len)  # [B, L]
+        self.past_slots = justified_past if past_slots is None else past_slots.to(torch.bool)  # [B, L]
+        # the cached slots must move when some row gets new pads and holds something already, or when they are not
+        # justified yet
+        self.relay = past_len > 0 and (
+            bool((self.n_new < T).any()) or not bool(torch.equal(self.past_slots, justified_past))
+        )
         self.decode = False
         self._cache = None
         #: ``[K, B, T]`` stored positions of the cached slots moved into the chunk's columns (set by install)
@@ -239,6 +263,7 @@ class SlotJustifiedCall:
         self.full_mask = full_mask  # [B, L + 1]
         self.n_past = full_mask[:, :past_len].sum(1)  # [B]
         self.n_new = full_mask[:, past_len].long()  # [B]: 1 for a real step token, 0 for a pad
+        self.past_slots = justified_mask(self.n_past, past_len)  # [B, L]: the cache rows are [pads | reals]
         self.mask = justified_mask(self.n_past + self.n_new, past_len + 1)  # [B, L + 1]
         self.token_mask = full_mask[:, past_len:]  # [B, 1]
         self.noop = False  # (unknown without a host read: the justified mask is passed on)
@@ -315,10 +340,10 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
-        self.moved_positions = _justify_position_history(cache, self.n_past, self.n_new, self.T)
-        cache.update = _JustifyingUpdate(cache, self.n_past, self.n_new, self.decode)
+        self.moved_positions = _justify_position_history(cache, self.past_slots, self.n_new, self.T)
+        cache.update = _JustifyingUpdate(cache, self.past_slots, self.n_new, self.decode)
         if hasattr(type(cache), "update_indexer"):
-            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.n_past, self.n_new, self.decode)
+            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.past_slots, self.n_new, self.decode)
         self._cache = cache
 
     def with_moved_positions(self, position_ids: Tensor) -> Tensor:

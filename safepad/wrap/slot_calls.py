@@ -59,7 +59,9 @@ class _GenerateShift:
 class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
-    __slots__ = ("as_tuple", "call", "keep", "labels", "loss_kwargs", "padded", "pads", "restore", "shape", "shift")
+    __slots__ = (
+        "as_tuple", "cache", "call", "keep", "labels", "loss_kwargs", "padded", "pads", "restore", "shape", "shift"
+    )
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
                  restore: bool = True):
@@ -77,6 +79,8 @@ class SlotRecord:
         self.as_tuple = False
         # [B] long pad slots per row of the cache after a decode step (device; kept with the cache by slot_restore)
         self.pads = None
+        # the cache handed in: marked re-laid / padded when the output carries none (RecurrentGemma)
+        self.cache = None
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -194,12 +198,22 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
     if not step and bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
         return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
-    call = SlotJustifiedCall(m, past_len)
+    # a cache no call re-laid holds its rows as the caller's mask lays them out (a one-token step with a pad leaves
+    # [reals | pad], _decode_step): its slots are re-laid from that layout; a re-laid one is justified, and so is
+    # every cache of slot-counting attention (each of its cached calls, decode steps included, comes here; a
+    # one-token step re-lays on the device without marking the cache) (a cache without attention layers has no
+    # slots to re-lay)
+    justified = (
+        step or info["slot_sensitive"] or bool(getattr(cache, _RELAID_FLAG, False)) or cache is None
+        or recurrent_only(cache)
+    )
+    call = SlotJustifiedCall(m, past_len, past_slots=None if justified else m[:, :past_len])
     for check in info["slot_checks"]:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, flagged if step else not bool(call.mask.all()), restore=generating is None)
     if step:
         record.pads = call.pads()  # [B]
+    record.cache = cache
     module._safepad_slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
@@ -230,6 +244,10 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
     elif shift is not None:
         named["position_ids"] = position_ids + shift.to(position_ids.device)
+    elif stacked and uncached_holes:
+        # generate(use_cache=False) re-feeds every column with the [K, B, T] positions it extended from each
+        # row's last prompt column, a pad after a right-padded prompt: the new tokens continue the last real one
+        named["position_ids"] = _refed_stacked_positions(position_ids, m)
     if call.noop:
         return (), named
     if uncached_holes and ("use_cache" in params or info["var_kwargs"]):
@@ -393,6 +411,38 @@ def _last_real_shift(position_ids: torch.Tensor, cur: torch.Tensor) -> torch.Ten
     return shift * cur.any(1).to(shift.dtype)[None, :, None].to(shift.device)
 
 
+def _refed_stacked_positions(position_ids: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The ``[K, B, T]`` positions of a call that ``generate(use_cache=False)`` re-feeds whole, with the tokens it
+    generated after a prompt that ends in pads continuing from the prompt's last real token.
+
+    generate() extends positions from each row's last column: where the prompt of a row ends in a pad (column
+    ``c``, the row's last pad, with a real token before it), the columns after ``c`` got ``P[c] + 1 + j``; they
+    should get ``P[r] + 1 + j`` (``r`` the last real column before ``c``), so they are shifted by ``P[r] - P[c]``
+    (per rotary row, as :func:`_last_real_shift` does for a cache). A row whose columns after its last pad are
+    prompt tokens (a hole in the prompt: their positions count its real tokens already, ``P[c + 1] = P[r] + 1``)
+    is left as it is; where both readings hold the shift is 0. ``m`` ``[B, T]`` bool (True = real).
+    """
+    K = position_ids.shape[0]
+    B, T = m.shape
+    pos = position_ids.expand(K, B, T)
+    out = pos.clone()
+    cols = torch.arange(T, device=m.device)
+    for b in range(B):
+        pads = (~m[b]).nonzero().flatten()
+        if pads.numel() == 0 or int(pads[-1]) == T - 1:
+            continue
+        c = int(pads[-1])
+        reals = (m[b, :c]).nonzero().flatten()
+        if reals.numel() == 0:
+            continue
+        r = int(reals[-1])
+        p = pos[:, b]  # [K, T]
+        if not bool((p[:, c + 1] == p[:, c] + 1).all()):
+            continue  # the columns after the last pad are the prompt's own (a hole)
+        out[:, b] = torch.where(cols.to(p.device) > c, p + (p[:, r : r + 1] - p[:, c : c + 1]), p)
+    return out
+
+
 def _mrope(module: nn.Module) -> bool:
     """Multimodal rotary positions (``[3, B, T]``, computed by the model from its inputs): never synthesised here."""
     rope = text_config_value(module, "rope_parameters", None) or text_config_value(module, "rope_scaling", None)
@@ -468,7 +518,7 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         call.uninstall()
     if output is None:  # the forward raised
         return None
-    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), None)
+    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), record.cache)
     if record.shift is not None and cache is not None:
         setattr(cache, _SHIFT_ATTR, _GenerateShift(*record.shift))
     slots = cache is not None and not recurrent_only(cache)  # slots only in attention layers

@@ -83,3 +83,29 @@ def test_decode_step_decides_on_the_device():
                                   [False, False, False, True, True]]
     assert call.position_ids().tolist() == [[2], [3], [1]]  # row 2's step token is a pad: position 1
     assert call.pads().tolist() == [2, 1, 3]
+
+
+def test_justify_kv_from_a_layout_that_is_not_justified():
+    # stored rows laid out as the caller's mask says (a one-token step with a pad on a cache never re-laid leaves
+    # [reals | pad]): past_real as a [B, S] mask of the real slots; the result is the reference on those slots
+    g = torch.Generator().manual_seed(7)
+    past = torch.randn(2, 2, 4, 3, generator=g, dtype=torch.float64)
+    new = torch.randn(2, 2, 2, 3, generator=g, dtype=torch.float64)
+    slots = torch.tensor([[True, False, True, False], [True, True, True, True]])
+    nr = torch.tensor([1, 2])
+    got = justify_kv(past, new, slots, nr)
+    for b in range(2):
+        reals = torch.cat([past[b][:, slots[b]], new[b][:, 2 - int(nr[b]) :]], dim=1)  # [H, n, D] in order
+        full = torch.cat(got, dim=2)[b]  # [H, S + T, D]
+        n = reals.shape[1]
+        assert torch.equal(full[:, -n:], reals) and not full[:, :-n].any()
+
+
+def test_call_re_lays_a_cached_layout_that_is_not_justified():
+    # cached [real, pad] (the caller's layout, never re-laid), then a chunk of real tokens: the cache must move
+    full = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
+    call = SlotJustifiedCall(full, past_len=2, past_slots=full[:, :2])
+    assert call.relay and not call.noop
+    assert call.mask.tolist() == [[False, True, True, True]]
+    assert call.position_ids().tolist() == [[1, 2]]
+    assert not SlotJustifiedCall(full, past_len=2).relay  # read as justified ([pad, real]) nothing would move
