@@ -415,7 +415,7 @@ class CachePreHook:
         self.recurrent = recurrent
 
     def __call__(self, module: Any, args: tuple, kwargs: dict):
-        stack = module._safepad_cache_calls  # a list made by wrap (no dict mutation while traced)
+        stack = module._safepad.cache_calls  # a list made by wrap (no dict mutation while traced)
         if not self.recurrent or _in_call():
             stack.append(None)
             return None
@@ -451,7 +451,8 @@ class CachePreHook:
 
 def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
     """Forward hook paired with :class:`CachePreHook` (``always_call``: a raising call counts no tokens)."""
-    stack = getattr(module, "_safepad_cache_calls", None)
+    state = module.__dict__.get("_safepad")
+    stack = state.cache_calls if state is not None else None
     entry = stack.pop() if stack else None
     if entry is None:
         return None

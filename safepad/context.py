@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ._state import module_state, state_of
 from ._tracing import CallScope, in_backward, tracing
 from .layout.normalize import normalize_boundaries
 
@@ -133,6 +134,11 @@ def no_call_context() -> CallContext:
     return CallContext(seq_idx=None, shape=(-1, -1), source="none")
 
 
+def _saw_packed(module: torch.nn.Module) -> bool:
+    state = state_of(module)
+    return state is not None and state.saw_packed
+
+
 def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:
     """The ``seq_idx`` ``[B, T]`` a mixer must use for this call, or ``None`` (one sequence per row).
 
@@ -152,7 +158,7 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
     else:
         ctx = current_context()
         if ctx is None:
-            if not tracing() and module.__dict__.get("_safepad_saw_packed") and in_backward():
+            if not tracing() and _saw_packed(module) and in_backward():
                 raise RuntimeError(
                     f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is being recomputed during "
                     "backward (activation checkpointing) without the safepad call context of its forward, and it has "
@@ -162,6 +168,6 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
                 )
             return None
         seq_idx = ctx.seq_idx if ctx.shape == tuple(shape) else None
-    if seq_idx is not None and not tracing() and not module.__dict__.get("_safepad_saw_packed"):
-        module._safepad_saw_packed = True
+    if seq_idx is not None and not tracing() and not _saw_packed(module):
+        module_state(module).saw_packed = True
     return seq_idx

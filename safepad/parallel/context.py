@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._state import module_state, state_of
 from .._tracing import CallScope, in_backward
 
 __all__ = ["SPContext", "current_sp", "resolve_sp"]
@@ -96,10 +97,11 @@ def resolve_sp(module: torch.nn.Module, shape: tuple[int, int]) -> SPContext | N
                 f"{type(module).__name__}: a sequence-parallel call holds shards of shape {list(ctx.shape)} but "
                 f"this layer got {list(shape)} tokens; sequence parallelism needs every layer to see the shard"
             )
-        module._safepad_last_sp = ctx
+        module_state(module).last_sp = ctx
         return ctx
     if in_backward():
-        last = getattr(module, "_safepad_last_sp", None)
+        state = state_of(module)
+        last = state.last_sp if state is not None else None
         if last is not None and tuple(last.shape) == tuple(shape):
             return last  # gradient-checkpoint recomputation of a sharded call
     return None
