@@ -11,10 +11,16 @@ raises (a ``RuntimeError`` carrying that message) instead of silently giving a w
 
 from __future__ import annotations
 
+import contextvars
+import threading
+from typing import Any, Generic, TypeVar
+
 import torch
 from torch import Tensor
 
-__all__ = ["device_check", "require", "tracing"]
+__all__ = ["CallScope", "device_check", "in_backward", "require", "tracing"]
+
+T = TypeVar("T")
 
 
 def tracing() -> bool:
@@ -41,3 +47,71 @@ def require(ok: Tensor | bool, message: str) -> None:
         device_check(ok, message)
     elif not bool(ok):
         raise ValueError(message)
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass in this thread (a gradient-checkpoint recompute runs there)."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+#: the token :meth:`CallScope.push` returns while tracing (no ContextVar is touched then)
+_TRACED_TOKEN = "traced"
+
+
+class CallScope(Generic[T]):
+    """A stack of per-call values (innermost last), per thread, readable by eager and traced code alike.
+
+    Eager code reads a :class:`contextvars.ContextVar` (so a ``contextvars.copy_context`` snapshot, as the
+    checkpoint wrapper takes, carries the value). Dynamo cannot trace a ContextVar, so every push also goes onto a
+    plain list, one per thread (``threading.local``), which traced code reads: compiled code reads it at run time
+    in the calling thread, whether the push ran traced (``torch.compile(model)``: the hooks are traced) or eagerly
+    around a compiled ``forward``, so concurrent calls in other threads never see each other's values.
+    """
+
+    def __init__(self, name: str, default: T | None = None):
+        self.name = name
+        self.default = default
+        self._var: contextvars.ContextVar[T | None] = contextvars.ContextVar(name, default=default)
+        self._local = threading.local()
+        # created now for the importing thread: compiled code guards on whether the attribute exists, and
+        # creating it in the first compiled call would make the second call recompile
+        self._local.stack = []
+
+    def stack(self) -> list[T | None]:
+        """This thread's stack of pushed values (innermost last); what traced code reads."""
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def push(self, value: T | None) -> Any:
+        """A call begins: ``value`` is current until :meth:`pop` of the returned token."""
+        self.stack().append(value)
+        if tracing():
+            return _TRACED_TOKEN
+        return self._var.set(value)
+
+    def pop(self, token: Any) -> None:
+        """The call of :meth:`push`'s ``token`` ends."""
+        stack = self.stack()
+        if stack:
+            stack.pop()
+        if token is not _TRACED_TOKEN:
+            self._var.reset(token)
+
+    def current(self) -> T | None:
+        """The innermost value pushed in this thread (eager: in this context), or ``default``."""
+        if tracing():
+            stack = self.stack()
+            return stack[-1] if stack else self.default
+        return self._var.get()
+
+    def set_eager(self, value: T | None) -> contextvars.Token:
+        """Set the eager value only (inside a ``contextvars`` snapshot: changes that snapshot alone)."""
+        return self._var.set(value)
+
+    def reset_eager(self, token: contextvars.Token) -> None:
+        self._var.reset(token)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._tracing import tracing
+from ._tracing import CallScope, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -384,29 +384,19 @@ def _advance(cache: Any, n_tokens: int) -> None:
 
 
 # one model call at a time owns the count: a nested wrapped model (CausalLM -> Model) must not count again
-_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_cache_call", default=False)
-#: the same flag while dynamo traces (it cannot trace ContextVar): a plain stack of the calls in progress
-_CALL_TRACED: list[bool] = []
-_TRACED_TOKEN = "traced"
+_CALL: CallScope[bool] = CallScope("safepad_cache_call", default=False)
 
 
 def _in_call() -> bool:
-    return bool(_CALL_TRACED) if tracing() else _CALL.get()
+    return bool(_CALL.current())
 
 
 def _enter_call() -> contextvars.Token | str:
-    if tracing():
-        _CALL_TRACED.append(True)
-        return _TRACED_TOKEN
-    return _CALL.set(True)
+    return _CALL.push(True)
 
 
 def _exit_call(token: contextvars.Token | str) -> None:
-    if token is _TRACED_TOKEN:
-        if _CALL_TRACED:
-            _CALL_TRACED.pop()
-    else:
-        _CALL.reset(token)
+    _CALL.pop(token)
 
 
 class CachePreHook:
@@ -425,7 +415,7 @@ class CachePreHook:
         self.recurrent = recurrent
 
     def __call__(self, module: Any, args: tuple, kwargs: dict):
-        stack = module._safepad_cache_calls  # a list made by wrap (no dict mutation while traced)
+        stack = module._safepad.cache_calls  # a list made by wrap (no dict mutation while traced)
         if not self.recurrent or _in_call():
             stack.append(None)
             return None
@@ -461,7 +451,8 @@ class CachePreHook:
 
 def cache_post_hook(module: Any, args: tuple, output: Any) -> None:
     """Forward hook paired with :class:`CachePreHook` (``always_call``: a raising call counts no tokens)."""
-    stack = getattr(module, "_safepad_cache_calls", None)
+    state = module.__dict__.get("_safepad")
+    stack = state.cache_calls if state is not None else None
     entry = stack.pop() if stack else None
     if entry is None:
         return None

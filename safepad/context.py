@@ -17,7 +17,7 @@ boundaries, raises instead of guessing (see :func:`resolve_seq_idx`).
 Under ``torch.compile`` the context also lives in a plain module-level stack that dynamo can trace (it
 cannot trace ``ContextVar``): the model hooks push onto it (:func:`enter_call`) whether they run traced
 (``torch.compile(model)``) or eagerly around a compiled ``forward`` (``model.forward =
-torch.compile(model.forward)``), and traced code reads it from there. Boundaries are then derived and
+torch.compile(model.forward)``), and traced code reads it from there (:class:`safepad._tracing.CallScope`). Boundaries are then derived and
 validated on the device (see :func:`safepad._tracing.require`); that stack is per thread (``threading.local``, which
 compiled code reads in the calling thread), so concurrent calls in several threads stay apart.
 """
@@ -25,13 +25,13 @@ compiled code reads in the calling thread), so concurrent calls in several threa
 from __future__ import annotations
 
 import contextvars
-import threading
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ._tracing import tracing
+from ._state import module_state, state_of
+from ._tracing import CallScope, in_backward, tracing
 from .layout.normalize import normalize_boundaries
 
 __all__ = [
@@ -76,63 +76,31 @@ class CallContext:
         return self.seq_idx is not None
 
 
-_CONTEXT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("safepad_call_context", default=None)
-#: the same contexts as a stack that dynamo can trace (innermost call last), one per thread; read only by traced
-#: code. Compiled code reads it at run time (``model.forward = torch.compile(model.forward)``: the hooks push
-#: eagerly), in the calling thread, so concurrent calls in other threads never see each other's boundaries.
-_THREAD = threading.local()
-# Created now for the importing thread: compiled code guards on whether the attribute exists, and creating it
-# in the first compiled call would make the second call recompile.
-_THREAD.stack = []
-
-
-def _traced_stack() -> list[CallContext | None]:
-    stack = getattr(_THREAD, "stack", None)
-    if stack is None:
-        stack = _THREAD.stack = []
-    return stack
-#: the token :func:`set_context` returns while tracing (no ContextVar is touched then)
-_TRACED_TOKEN = "traced"
+#: the context of each model call in progress (per thread; readable by traced code: :class:`~safepad._tracing.CallScope`)
+_SCOPE: CallScope[CallContext] = CallScope("safepad_call_context")
 
 
 def current_context() -> CallContext | None:
     """The context of the model call in progress, if any."""
-    if tracing():
-        stack = _traced_stack()
-        return stack[-1] if stack else None
-    return _CONTEXT.get()
+    return _SCOPE.current()
 
 
 def set_context(ctx: CallContext | None) -> contextvars.Token:
-    return _CONTEXT.set(ctx)
+    return _SCOPE.set_eager(ctx)
 
 
 def reset_context(token: contextvars.Token) -> None:
-    _CONTEXT.reset(token)
+    _SCOPE.reset_eager(token)
 
 
 def enter_call(ctx: CallContext | None) -> contextvars.Token | str:
     """A model call begins: ``ctx`` becomes the current context (the ContextVar, and the traced stack)."""
-    _traced_stack().append(ctx)
-    if tracing():
-        return _TRACED_TOKEN
-    return _CONTEXT.set(ctx)
+    return _SCOPE.push(ctx)
 
 
 def exit_call(token: contextvars.Token | str) -> None:
     """The model call of :func:`enter_call`'s ``token`` ends."""
-    stack = _traced_stack()
-    if stack:
-        stack.pop()
-    if token is not _TRACED_TOKEN:
-        _CONTEXT.reset(token)
-
-
-def _in_backward() -> bool:
-    try:
-        return torch._C._current_graph_task_id() != -1
-    except AttributeError:  # pragma: no cover - very old torch
-        return False
+    _SCOPE.pop(token)
 
 
 def context_token_mask(shape: tuple[int, int]) -> Tensor | None:
@@ -166,6 +134,11 @@ def no_call_context() -> CallContext:
     return CallContext(seq_idx=None, shape=(-1, -1), source="none")
 
 
+def _saw_packed(module: torch.nn.Module) -> bool:
+    state = state_of(module)
+    return state is not None and state.saw_packed
+
+
 def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dict) -> Tensor | None:
     """The ``seq_idx`` ``[B, T]`` a mixer must use for this call, or ``None`` (one sequence per row).
 
@@ -185,7 +158,7 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
     else:
         ctx = current_context()
         if ctx is None:
-            if not tracing() and module.__dict__.get("_safepad_saw_packed") and _in_backward():
+            if not tracing() and _saw_packed(module) and in_backward():
                 raise RuntimeError(
                     f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) is being recomputed during "
                     "backward (activation checkpointing) without the safepad call context of its forward, and it has "
@@ -195,6 +168,6 @@ def resolve_seq_idx(module: torch.nn.Module, shape: tuple[int, int], kwargs: dic
                 )
             return None
         seq_idx = ctx.seq_idx if ctx.shape == tuple(shape) else None
-    if seq_idx is not None and not tracing() and not module.__dict__.get("_safepad_saw_packed"):
-        module._safepad_saw_packed = True
+    if seq_idx is not None and not tracing() and not _saw_packed(module):
+        module_state(module).saw_packed = True
     return seq_idx

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._state import state_of
 from ..cache import CACHE_NAMES
 from ..layout.normalize import normalize_boundaries, position_ids_from_seq_idx
 from ..wrap import is_wrapped, wrapped_modules
@@ -239,7 +240,8 @@ class SequenceParallel:
             cfg._attn_implementation = impl
         for m in self.model.modules():
             m.__dict__.pop("_safepad_sp_fallback", None)
-            m.__dict__.pop("_safepad_last_sp", None)
+            if state_of(m) is not None:
+                state_of(m).last_sp = None
 
     # ------------------------------------------------------------------------------------------ hooks
 

@@ -62,7 +62,7 @@ def attention_conv_forward(
     **kwargs,
 ) -> Tensor:
     """Padding/packing-correct forward of an Inkling short convolution. ``hidden_states [B, T, D]`` -> same."""
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(cache, kwargs)
     input_dtype = hidden_states.dtype
     dynamic = hasattr(self, "static_weight")

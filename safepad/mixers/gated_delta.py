@@ -130,7 +130,7 @@ def gated_delta_mixer_forward(
 ) -> Tensor:
     """Padding/packing-correct forward of a gated-delta-rule mixer. ``hidden_states [B, T, hidden]`` -> same."""
     opts = self._safepad_spec.options
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     Bsz, T, _ = hidden_states.shape

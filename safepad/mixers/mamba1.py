@@ -146,7 +146,7 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         ``[B, T, hidden]`` in the dtype of ``hidden_states``.
     """
     opts = self._safepad_spec.options
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     T = hidden_states.shape[1]

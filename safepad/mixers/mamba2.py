@@ -40,7 +40,7 @@ def _scan_inputs(xBC: Tensor) -> Tensor:
 def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):
     """Padding/packing-correct forward of a Mamba2-style mixer. ``hidden_states`` ``[B, T, hidden]``."""
     opts = self._safepad_spec.options
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     Bsz, T, _ = hidden_states.shape

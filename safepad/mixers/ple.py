@@ -102,7 +102,7 @@ def _last_real_ids(previous: Tensor, ids: Tensor, mask: Tensor | None) -> Tensor
 
 def ple_forward(self, hidden_states: Tensor, input_ids: Tensor, cache=None, conv_mask: Tensor | None = None, **kwargs):
     """Padding/packing-correct PLE. ``hidden_states [B, T, D]``, ``input_ids [B, T]`` -> ``[B, T, D]``."""
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(cache, kwargs)
     B, T = hidden_states.shape[:2]
     hidden, layout = prepare_layout(self, hidden_states, conv_mask, cache, kwargs)

@@ -46,7 +46,7 @@ __all__ = ["rg_lru_block_forward"]
 def _layer_idx(self) -> int:
     idx = getattr(self, "layer_idx", None)
     if idx is None:
-        idx = self.__dict__.get("_safepad_layer_idx")
+        idx = self._safepad.layer_idx
     if idx is None:
         raise ValueError(
             f"{type(self).__name__}: safepad could not tell which decoder layer this block is (its name holds no "
@@ -101,7 +101,7 @@ def rg_lru_block_forward(
     model's 4-D attention mask, so the padding mask comes from the model call (a 2-D mask passed here wins).
     """
     opts = self._safepad_spec.options
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(None, kwargs)
     if not use_cache:
         cache = None

@@ -33,7 +33,7 @@ def short_conv_mixer_forward(
 ) -> Tensor:
     """Padding/packing-correct forward of a gated short-conv mixer. ``hidden_states [B, T, D]`` -> same."""
     opts = self._safepad_spec.options
-    backend = self._safepad_backend
+    backend = self._safepad.backend
     cache = pop_cache(past_key_values, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     T = hidden_states.shape[1]

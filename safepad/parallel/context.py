@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .._state import module_state, state_of
+from .._tracing import CallScope, in_backward
+
 __all__ = ["SPContext", "current_sp", "resolve_sp"]
 
 
@@ -57,34 +60,21 @@ class SPContext:
         return valid
 
 
-_SP: contextvars.ContextVar[SPContext | None] = contextvars.ContextVar("safepad_sp_context", default=None)
+#: the SP context of each model call in progress (per thread; readable by traced code)
+_SP: CallScope[SPContext] = CallScope("safepad_sp_context")
 
 
 def current_sp() -> SPContext | None:
     """The sequence-parallel context of the model call in progress, if any."""
-    return _SP.get()
+    return _SP.current()
 
 
-#: the SP contexts in effect, as a plain list that traced code (torch.compile) can read: dynamo cannot read _SP
-_SP_ACTIVE: list[SPContext | None] = []
+def set_sp(ctx: SPContext | None) -> contextvars.Token | str:
+    return _SP.push(ctx)
 
 
-def set_sp(ctx: SPContext | None) -> contextvars.Token:
-    _SP_ACTIVE.append(ctx)
-    return _SP.set(ctx)
-
-
-def reset_sp(token: contextvars.Token) -> None:
-    if _SP_ACTIVE:
-        _SP_ACTIVE.pop()
-    _SP.reset(token)
-
-
-def _in_backward() -> bool:
-    try:
-        return torch._C._current_graph_task_id() != -1
-    except AttributeError:  # pragma: no cover - very old torch
-        return False
+def reset_sp(token: contextvars.Token | str) -> None:
+    _SP.pop(token)
 
 
 def resolve_sp(module: torch.nn.Module, shape: tuple[int, int]) -> SPContext | None:
@@ -94,23 +84,24 @@ def resolve_sp(module: torch.nn.Module, shape: tuple[int, int]) -> SPContext | N
     of a sharded call must see the shard.
     """
     if torch.compiler.is_compiling():
-        if any(c is not None for c in _SP_ACTIVE):
+        if any(c is not None for c in _SP.stack()):
             raise ValueError(
                 f"{type(module).__name__}: sequence parallelism is not supported under torch.compile; run the "
                 "sequence-parallel model eagerly"
             )
         return None
-    ctx = _SP.get()
+    ctx = _SP.current()
     if ctx is not None:
         if tuple(shape) != ctx.shape:
             raise ValueError(
                 f"{type(module).__name__}: a sequence-parallel call holds shards of shape {list(ctx.shape)} but "
                 f"this layer got {list(shape)} tokens; sequence parallelism needs every layer to see the shard"
             )
-        module._safepad_last_sp = ctx
+        module_state(module).last_sp = ctx
         return ctx
-    if _in_backward():
-        last = getattr(module, "_safepad_last_sp", None)
+    if in_backward():
+        state = state_of(module)
+        last = state.last_sp if state is not None else None
         if last is not None and tuple(last.shape) == tuple(shape):
             return last  # gradient-checkpoint recomputation of a sharded call
     return None

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .options import KIND_OPTIONS, known_kind, validate_options
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MixerSpec", "register", "spec_for_module", "specs_for_model_type", "supported_model_types", "all_specs"]
@@ -31,7 +33,8 @@ class MixerSpec:
         forward_by_class: for a family with several kinds of stateful module (a mixer and an indexer, ...):
             the forward of each mixer class that is not served by ``forward``, keyed by class name.
         options: family differences the generic forward reads (multipliers, gate variant, ...), and the hooks read
-            (``router_loss_mask``: the top-level forward gives its ``attention_mask`` to the MoE router
+            (typed: every key is declared in :mod:`safepad.specs.options`, and an unknown key or a value of the wrong
+            type raises when the spec is declared; ``router_loss_mask``: the top-level forward gives its ``attention_mask`` to the MoE router
             load-balancing loss, so a packed call hands it the real-token mask; see ``safepad.wrap.hooks``).
         hybrid: whether the family interleaves attention layers (they need packed ``position_ids``).
         packed_attention_mask: for hybrids whose mask construction ignores ``position_ids`` (GraniteMoeHybrid):
@@ -51,6 +54,9 @@ class MixerSpec:
     inner_classes: tuple[str, ...] = ()
     forward_by_class: Mapping[str, Callable[..., Any]] = field(default_factory=lambda: MappingProxyType({}))
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", validate_options(self.model_type, self.kind, self.options))
+
     def forward_for(self, class_name: str) -> Callable[..., Any]:
         """The generic forward that serves mixer class ``class_name``."""
         return self.forward_by_class.get(class_name, self.forward)
@@ -66,6 +72,11 @@ def register(spec: MixerSpec) -> MixerSpec:
     """Add a family spec. Class names must be unique across families."""
     if spec.model_type in _BY_MODEL_TYPE:
         raise ValueError(f"a spec for model_type {spec.model_type!r} is already registered")
+    if not known_kind(spec.kind):
+        raise ValueError(
+            f"spec {spec.model_type!r}: unknown kind {spec.kind!r}; known kinds: {sorted(KIND_OPTIONS)} (declare a new "
+            "kind's options in safepad.specs.options)"
+        )
     stray = sorted(set(spec.forward_by_class) - set(spec.mixer_classes))
     if stray:
         raise ValueError(f"{spec.model_type}: forward_by_class names classes that are not mixer_classes: {stray}")

@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import nn
 
+from .._state import hooked
 from ..layout.normalize import normalize_boundaries
 from ..layout.boundaries import position_ids_restart
 
@@ -133,7 +134,7 @@ def check_enclosing_call_at_trace() -> bool:
         owner = frame.f_locals.get("self") if frame.f_code in _CALL_CODES else None
         if isinstance(owner, nn.Module):
             inner = owner._orig_mod if isinstance(owner, OptimizedModule) else owner
-            if "_safepad_hook_handles" not in inner.__dict__:
+            if not hooked(inner):
                 break
         frame = frame.f_back
     else:

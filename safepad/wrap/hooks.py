@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
+from .._state import hooked, module_state, state_of
 from .._tracing import device_check, tracing
 from ..cache import (
     CACHE_NAMES,
@@ -67,7 +68,7 @@ def install_model_hooks(model: nn.Module) -> None:
         PreTrainedModel = ()  # type: ignore[assignment]
     targets = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
     for target in targets:
-        if "_safepad_hook_handles" in target.__dict__:
+        if hooked(target):
             continue
         specs = [m._safepad_spec for m in target.modules() if getattr(m, "_safepad_spec", None) is not None]
         if not specs:
@@ -98,21 +99,20 @@ def install_model_hooks(model: nn.Module) -> None:
             "router_loss_mask": any(s.options.get("router_loss_mask", False) for s in specs)
             and any(m is not target and isinstance(m, PreTrainedModel) for m in target.modules()),
         }
-        target._safepad_tokens = []
-        target._safepad_slot_calls = []
+        state = module_state(target)
         pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
         post = target.register_forward_hook(_post_hook, always_call=True)
-        target._safepad_hook_handles = [pre, post]
+        state.hook_handles = [pre, post]
         # a cache without attention layers cannot tell its length in transformers: safepad counts it
         # (safepad.cache); registered after _ModelPreHook, so it sees the packed-call policy's use_cache
         recurrent = needs_token_count(target)
         if recurrent:
-            target._safepad_cache_calls = []
+            state.cache_calls = []
             cache_pre = target.register_forward_pre_hook(
                 CachePreHook(cache_argument(target.forward), recurrent), with_kwargs=True
             )
             cache_post = target.register_forward_hook(cache_post_hook, always_call=True)
-            target._safepad_hook_handles += [cache_pre, cache_post]
+            state.hook_handles += [cache_pre, cache_post]
         # generate() re-feeds the whole sequence to a recurrent-only cache: feed only what it has not read; and for
         # every cache, keep on it what it has read, so a reused one raises instead of continuing from other tokens
         if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
@@ -145,7 +145,7 @@ class _ModelPreHook:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         info = self.info
         params = info["params"]
-        module._safepad_slot_calls.append(None)
+        module._safepad.slot_calls.append(None)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
         real = kwargs.pop(REAL_TOKEN_MASK, None)
         outer = current_context()
@@ -157,14 +157,14 @@ class _ModelPreHook:
             if outer.seq_idx is not None and ids is not None and tuple(ids.shape[:2]) == tuple(outer.seq_idx.shape):
                 kwargs.pop("seq_idx", None)
                 self._packed_policy(module, kwargs, outer.seq_idx, ids, outer.source, nested=True)
-                module._safepad_tokens.append(None)
+                module._safepad.tokens.append(None)
                 return args, kwargs
-            module._safepad_tokens.append(None)
+            module._safepad.tokens.append(None)
             return None
         if module.training:
             hook_checkpoint_functions(info["checkpointed"])
         if ids is None or ids.dim() < 2:
-            module._safepad_tokens.append(None)
+            module._safepad.tokens.append(None)
             return None
         B, T = ids.shape[0], ids.shape[1]
         if tracing():
@@ -175,7 +175,7 @@ class _ModelPreHook:
         # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
         args, kwargs = slot_justify(module, info, args, kwargs, B, T)
         T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut (slot_calls)
-        record = module._safepad_slot_calls[-1]
+        record = module._safepad.slot_calls[-1]
         token_mask = record.call.token_mask if record is not None and record.call is not None else None
         mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         # a one-token step keeps its 2-D mask unread (no host sync; rows marked real are unaffected), as under compile
@@ -211,7 +211,7 @@ class _ModelPreHook:
                 token_mask=token_mask,
             )
         )
-        module._safepad_tokens.append(token)
+        module._safepad.tokens.append(token)
         return args, kwargs
 
     def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor, real=None):
@@ -289,7 +289,7 @@ class _ModelPreHook:
         token = enter_call(
             CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask)
         )
-        module._safepad_tokens.append(token)
+        module._safepad.tokens.append(token)
         return args, kwargs
 
     def _packed_policy(self, module: nn.Module, kwargs: dict, seq_idx: torch.Tensor, ids: torch.Tensor, source: str,
@@ -451,12 +451,13 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
 
 
 def _post_hook(module: nn.Module, args, output):
-    tokens = module.__dict__.get("_safepad_tokens")
+    state = state_of(module)
+    tokens = state.tokens if state is not None else None
     if tokens:
         token = tokens.pop()
         if token is not None:
             exit_call(token)
-    slot_calls = module.__dict__.get("_safepad_slot_calls")
+    slot_calls = state.slot_calls if state is not None else None
     if slot_calls:
         record = slot_calls.pop()
         if record is not None:

@@ -16,6 +16,7 @@ import sys
 from torch import nn
 
 from .. import specs as _specs  # noqa: F401 - registers the family specs
+from .._state import module_state
 from ..cache import SafepadGenerate, SafepadPrepareInputs
 from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
@@ -58,7 +59,7 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
 
     def extra_repr(self) -> str:
         base = orig.extra_repr(self)
-        tag = f"safepad={spec.kind}:{spec.model_type}, backend={self._safepad_backend}"
+        tag = f"safepad={spec.kind}:{spec.model_type}, backend={self._safepad.backend}"
         return f"{tag}, {base}" if base else tag
 
     name = f"Safepad{orig.__name__}"
@@ -157,9 +158,10 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
         if getattr(type(module), "_safepad_spec", None) is None:
             module.__class__ = _patched_class(type(module), spec)
             patched.append(name)
-        module._safepad_backend = backend
+        state = module_state(module)
+        state.backend = backend
         if spec.options.get("layer_idx_from_name") and getattr(module, "layer_idx", None) is None:
-            module._safepad_layer_idx = layer_index(name)
+            state.layer_idx = layer_index(name)
         probe_gated_norm(module, spec.options.get("gated_norm"))
         owners.add(id(module))
     if not owners:
@@ -187,16 +189,13 @@ def unwrap(model: nn.Module) -> nn.Module:
         orig = getattr(type(module), "_safepad_original_class", None)
         if orig is not None:
             module.__class__ = orig
-        for attr in ("_safepad_backend", "_safepad_saw_packed", "_safepad_layer_idx"):
-            module.__dict__.pop(attr, None)
         fn = module.__dict__.get("_gradient_checkpointing_func")
         if isinstance(fn, _CheckpointWithContext):
             module._gradient_checkpointing_func = fn.inner
-        for handle in module.__dict__.pop("_safepad_hook_handles", []):
-            handle.remove()
-        module.__dict__.pop("_safepad_tokens", None)
-        module.__dict__.pop("_safepad_slot_calls", None)
-        module.__dict__.pop("_safepad_cache_calls", None)
+        state = module.__dict__.pop("_safepad", None)  # everything safepad kept on the module (safepad._state)
+        if state is not None:
+            for handle in state.hook_handles:
+                handle.remove()
         if isinstance(module.__dict__.get("generate"), SafepadGenerate):
             del module.__dict__["generate"]
         if isinstance(module.__dict__.get("prepare_inputs_for_generation"), SafepadPrepareInputs):

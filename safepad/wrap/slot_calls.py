@@ -214,7 +214,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     if step:
         record.pads = call.pads()  # [B]
     record.cache = cache
-    module._safepad_slot_calls[-1] = record
+    module._safepad.slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
     # generate the mask decides the positions (they equal generate's own wherever those are right)

@@ -81,7 +81,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     recomputed = []
     if case.get("checkpointing"):
         import safepad.mixers.common as common
-        from safepad.parallel.context import _in_backward
+        from safepad._tracing import in_backward as _in_backward
 
         orig = common.resolve_sp
 

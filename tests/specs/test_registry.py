@@ -45,3 +45,34 @@ def test_each_patched_class_gets_its_own_forward(family, special, module):
     assert spec.forward_for(special).__module__ == module
     others = [n for n in patched if n != f"Safepad{special}"]
     assert others and all(spec.forward_for(n[len("Safepad"):]) is spec.forward for n in others)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "match"),
+    [
+        pytest.param("mamba2", {"gated_nrom": "X"}, r"unknown option 'gated_nrom' \(did you mean 'gated_norm'\?\)", id="typo"),
+        pytest.param("gated_delta", {"in_multiplier": "x"}, r"unknown option 'in_multiplier'", id="other-kind-key"),
+        pytest.param("mamba2", {"router_loss_mask": "yes"}, r"option 'router_loss_mask' must be bool", id="wrong-type"),
+        pytest.param("gated_delta", {"decay": "exp"}, r"must be one of \['mamba', 'module'\]", id="bad-choice"),
+    ],
+)
+def test_misspelled_or_mistyped_option_raises_where_declared(kind, options, match):
+    """A spec option is declared in safepad.specs.options: a typo raises when the spec is built, naming the valid keys."""
+    with pytest.raises(ValueError, match=match) as err:
+        MixerSpec(model_type="fake_typo", kind=kind, mixer_classes=("FakeTypoMixer",), forward=_gdn, options=options)
+    assert "fake_typo" in str(err.value)
+    if "unknown option" in match:
+        assert "valid options: [" in str(err.value) and "'accelerate_children'" in str(err.value)
+
+
+def test_unknown_kind_refused_at_registration():
+    spec = MixerSpec(model_type="fake_kind", kind="rwkv7", mixer_classes=("FakeKindMixer",), forward=_gdn)
+    with pytest.raises(ValueError, match=r"unknown kind 'rwkv7'; known kinds: \["):
+        register(spec)
+
+
+def test_glm5_combined_kind_takes_both_schemas():
+    from safepad.specs.registry import specs_for_model_type
+
+    spec = specs_for_model_type("glm5_next_text")
+    assert spec.kind == "gated_delta+dsa_indexer" and spec.options["decay"] == "module"

@@ -31,7 +31,7 @@ def test_wrap_in_place_idempotent_and_visible(nemotron):
     safepad.wrap(m)  # idempotent: same modules, no double patch, no extra hooks
     assert [n for n, _ in wrapped_modules(m)] == names
     assert {type(mod).__name__ for _, mod in wrapped_modules(m)} == classes == {"SafepadNemotronHMamba2Mixer"}
-    assert len(m._safepad_hook_handles) == 2
+    assert len(m._safepad.hook_handles) == 2
     text = repr(m)
     assert text.count("SafepadNemotronHMamba2Mixer(") == 2
     assert text.count("safepad=mamba2:nemotron_h, backend=auto") == 2
@@ -49,6 +49,48 @@ def test_unwrap_restores_original_forwards_exactly(nemotron):
     assert not m._forward_pre_hooks and not m._forward_hooks
     assert torch.equal(_logits(m, ids), before)
     assert repr(m) == repr(nemotron)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "stock_generates"),
+    [
+        pytest.param({}, True, id="hybrid"),
+        # stock generate cannot tell an attention-free cache's length (safepad counts it: cache hooks)
+        pytest.param({"layers_block_type": ["mamba", "mlp", "mamba"]}, False, id="recurrent_only-cache_hooks"),
+    ],
+)
+def test_unwrap_leaves_no_safepad_state_after_use(overrides, stock_generates):
+    """Everything safepad keeps on a module sits in ``module._safepad``: after wrap, a packed checkpointed training
+    step, a padded generate and unwrap, every module equals the same never-wrapped module used the same way."""
+    ref = tiny_model("nemotron_h", **overrides)
+    m = copy.deepcopy(ref)
+    safepad.wrap(m)
+    assert repr(m).count("safepad=mamba2:nemotron_h, backend=auto") == 2  # print(model) shows the patches
+    _, ids, _, _, pos = packed_batch([5, 9])
+    prompt = torch.tensor([[0, 0, 7, 8, 9], [3, 4, 5, 6, 7]])
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for model in (m, ref):
+        model.gradient_checkpointing_enable()
+        model.train()
+        model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+        model.eval()
+        if model is m or stock_generates:
+            model.generate(input_ids=prompt, attention_mask=prompt_mask, max_new_tokens=2, do_sample=False)
+    assert any(st.saw_packed for mod in m.modules() if (st := mod.__dict__.get("_safepad")) is not None)
+    safepad.unwrap(m)
+    for (name, mod), (_, plain) in zip(m.named_modules(), ref.named_modules(), strict=True):
+        assert type(mod) is type(plain), name
+        assert not [k for k in vars(mod) if k.startswith("_safepad")], name
+        assert sorted(vars(mod)) == sorted(vars(plain)), name
+        for hooks in _HOOK_DICTS:
+            assert len(getattr(mod, hooks)) == len(getattr(plain, hooks)), (name, hooks)
+        fn, plain_fn = mod.__dict__.get("_gradient_checkpointing_func"), plain.__dict__.get("_gradient_checkpointing_func")
+        assert type(fn) is type(plain_fn), name
+    assert repr(m) == repr(ref)
+    assert torch.equal(_logits(m.eval(), ids, use_cache=False), _logits(ref.eval(), ids, use_cache=False))
 
 
 def test_wrap_changes_no_parameter_buffer_or_config(nemotron, tmp_path):
