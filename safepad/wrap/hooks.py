@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
-from .._tracing import device_check, tracing
+from .._tracing import device_check, require, tracing
 from ..cache import (
     CACHE_NAMES,
     CachePreHook,
@@ -254,12 +254,7 @@ class _ModelPreHook:
             kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
         )
         if seq_idx is not None and cache_requested:
-            device_check(
-                ~multi_sequence(seq_idx),
-                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
-                "keeps one recurrent state per row, so there is no right state to store. Call with "
-                "use_cache=False, or pad the sequences (left or right) instead of packing them.",
-            )
+            _require_no_packed_cache(~multi_sequence(seq_idx), source)
             seq_idx = None  # every row holds one sequence (checked): the unpacked path, as eager
         elif seq_idx is not None:
             if mask2d:
@@ -298,11 +293,7 @@ class _ModelPreHook:
         info = self.info
         explicit = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
         if explicit and not nested:
-            raise ValueError(
-                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
-                "keeps one recurrent state per row, so there is no right state to store. Call with "
-                "use_cache=False, or pad the sequences (left or right) instead of packing them."
-            )
+            _require_no_packed_cache(False, source)  # (an eager seq_idx holds several sequences per row)
         if "use_cache" in info["params"] or info["var_kwargs"]:
             kwargs["use_cache"] = False  # the config default would build a cache nobody can use
         mask = kwargs.get("attention_mask")
@@ -355,6 +346,18 @@ class _ModelPreHook:
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m.to(keep.device)
         kwargs["attention_mask"] = None if keep is None else keep.to(torch.long)
+
+
+def _require_no_packed_cache(ok: torch.Tensor | bool, source: str) -> None:
+    """A call that asks for a cache must not hold packed rows: ``ok`` False (eager: the rows are packed) raises, a
+    ``[]`` bool tensor (traced: no row holds several sequences) is checked on the device
+    (:func:`safepad._tracing.require`). The one copy of the message."""
+    require(
+        ok,
+        f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache keeps one "
+        "recurrent state per row, so there is no right state to store. Call with use_cache=False, or pad the "
+        "sequences (left or right) instead of packing them.",
+    )
 
 
 def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, T: int, mask, ids) -> None:
