@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._tracing import tracing
+from .layout.slots import pads_first_order
 
 logger = logging.getLogger(__name__)
 
@@ -594,8 +595,9 @@ def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
         raise ValueError(
             f"{type(model).__name__}.generate: the prompt has padding after real tokens (right padding), and with "
             "a static / compileable cache generate() builds the attention mask itself, so safepad cannot keep the "
-            "padded rows right. Pad prompts on the left (tokenizer.padding_side = 'left'), or generate with the "
-            "default dynamic cache (no cache_implementation='static', no compile_config)."
+            "padded rows right. Pass the attention_mask to generate() (the wrapped generate then lays such prompts "
+            "pads first), pad prompts on the left (tokenizer.padding_side = 'left'), or generate with the default "
+            "dynamic cache (no cache_implementation='static', no compile_config)."
         )
 
 
@@ -749,8 +751,6 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     m = mask.to(torch.bool)  # [B, L]
     if not bool((m[:, :-1] & ~m[:, 1:]).any()):  # one host read: no pad after a real token anywhere
         return args, kwargs, None
-    from .layout.slots import pads_first_order
-
     B, L = m.shape
     order = pads_first_order(m)  # [B, L]
     named = dict(kwargs)
