@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._tracing import CallScope, tracing
+from .layout.slots import pads_first_order
 
 logger = logging.getLogger(__name__)
 
@@ -585,8 +586,9 @@ def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
         raise ValueError(
             f"{type(model).__name__}.generate: the prompt has padding after real tokens (right padding), and with "
             "a static / compileable cache generate() builds the attention mask itself, so safepad cannot keep the "
-            "padded rows right. Pad prompts on the left (tokenizer.padding_side = 'left'), or generate with the "
-            "default dynamic cache (no cache_implementation='static', no compile_config)."
+            "padded rows right. Pass the attention_mask to generate() (the wrapped generate then lays such prompts "
+            "pads first), pad prompts on the left (tokenizer.padding_side = 'left'), or generate with the default "
+            "dynamic cache (no cache_implementation='static', no compile_config)."
         )
 
 
@@ -745,6 +747,77 @@ def _rope_deltas_of_cache(model: Any, cache: Any, rows: int | None = None) -> No
             holder.rope_deltas = None
 
 
+def _compiles(model: Any, kwargs: dict, cache: Any) -> bool:
+    """Will this ``generate`` run a compileable cache or a compiled forward? (``cache_implementation`` other than
+    dynamic, a compileable cache handed in (``StaticCache``), a ``compile_config``, or ``model.forward`` replaced by
+    ``torch.compile(model.forward)``.)"""
+    gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    implementation = kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None))
+    if implementation not in (None, "dynamic"):
+        return True
+    if cache is not None and getattr(cache, "is_compileable", False) and type(cache).__name__ != "DynamicCache":
+        return True
+    if kwargs.get("compile_config", getattr(gen_config, "compile_config", None)) is not None:
+        return True
+    forward = model.__dict__.get("forward")
+    return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
+
+
+def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
+    """A right-padded prompt (a pad after a real token in a row of the 2-D ``attention_mask`` ``[B, L]``) handed to a
+    ``generate`` that runs a compileable cache or a compiled forward: every ``[B, L, ...]`` input (``input_ids``,
+    ``inputs_embeds``, the mask, ``token_type_ids``, ...) re-laid pads first, one gather on the device
+    (:func:`safepad.layout.slots.pads_first_order`), so each row is ``[pads | its tokens]``: a left-padded prompt,
+    which a static cache, generate's own 4-D mask and a compiled forward serve as stock does, and from which safepad
+    generates each row's own tokens. The caller's prompt goes back in the output (:func:`_with_caller_prompt`).
+
+    Returns ``(args, kwargs, prompt)``; ``prompt`` is ``(caller's input_ids [B, L], re-laid ones)`` (or ``None``
+    when nothing was re-laid, or no ``input_ids`` were given).
+    """
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
+        return args, kwargs, None
+    if not _compiles(model, kwargs, cache_from_kwargs(kwargs)[1]):
+        return args, kwargs, None
+    m = mask.to(torch.bool)  # [B, L]
+    if not bool((m[:, :-1] & ~m[:, 1:]).any()):  # one host read: no pad after a real token anywhere
+        return args, kwargs, None
+    B, L = m.shape
+    order = pads_first_order(m)  # [B, L]
+    named = dict(kwargs)
+    positional = bool(args) and isinstance(args[0], Tensor)
+    if positional:
+        named["input_ids"] = args[0]
+    elif isinstance(named.get("inputs"), Tensor):
+        named["input_ids"] = named.pop("inputs")
+    ids = named.get("input_ids")
+    for name, value in list(named.items()):
+        if isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (B, L):
+            idx = order.to(value.device).view(B, L, *([1] * (value.dim() - 2))).expand(value.shape)
+            named[name] = value.gather(1, idx)
+    prompt = (ids, named["input_ids"]) if isinstance(ids, Tensor) and tuple(ids.shape[:2]) == (B, L) else None
+    if positional:
+        return (named.pop("input_ids"), *args[1:]), named, prompt
+    return args, named, prompt
+
+
+def _with_caller_prompt(out: Any, ids: Tensor, relaid: Tensor) -> Any:
+    """``generate``'s output (sequences ``[B * k, L + n]``, or an output holding them) with the caller's prompt ``ids``
+    ``[B, L]`` in place of the re-laid one (:func:`_justified_prompt`) in its first ``L`` columns."""
+    seq = out if isinstance(out, Tensor) else getattr(out, "sequences", None)
+    if not isinstance(seq, Tensor) or seq.dim() != 2 or seq.shape[1] < ids.shape[1] or seq.shape[0] % ids.shape[0]:
+        return out
+    k = seq.shape[0] // ids.shape[0]
+    L = ids.shape[1]
+    if not torch.equal(seq[:, :L], relaid.repeat_interleave(k, 0).to(seq.device)):
+        return out
+    seq = torch.cat([ids.repeat_interleave(k, 0).to(seq), seq[:, L:]], dim=1)
+    if isinstance(out, Tensor):
+        return seq
+    out.sequences = seq
+    return out
+
+
 class SafepadGenerate:
     """``model.generate`` of a wrapped model whose cache has no attention layer.
 
@@ -772,10 +845,13 @@ class SafepadGenerate:
         if given is not None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             _rope_deltas_of_cache(model, given, ids.shape[0] if isinstance(ids, Tensor) and ids.dim() == 2 else None)
+        args, kwargs, prompt = _justified_prompt(model, args, kwargs)
         token = _GEN_COUNTS.set(counts)
         quiet = _quiet_right_padding_warning()
         try:
             out = type(model).generate(model, *args, **kwargs)
+            if prompt is not None:
+                out = _with_caller_prompt(out, *prompt)
         except BaseException:
             for cache, *_ in counts.values():  # states written part of the way: unknown from here on
                 rec = cache.__dict__.get(_RECORD_ATTR)

@@ -20,6 +20,23 @@ logger = logging.getLogger(__name__)
 __all__ = ["MixerSpec", "register", "spec_for_module", "specs_for_model_type", "supported_model_types", "all_specs"]
 
 
+class FrozenOptions(dict):
+    """A spec's options: a read-only ``dict``. Not a ``MappingProxyType``: under ``torch.compile`` dynamo breaks the
+    graph at every read of a mapping proxy once the traced code has edited a dict it was handed (transformers'
+    ``can_return_tuple`` pops ``return_dict`` from the forward's kwargs), so ``fullgraph=True`` would fail."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a MixerSpec's options are read-only; declare them when the spec is built")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self):  # pickle / deepcopy rebuild it whole (not item by item)
+        return (type(self), (dict(self),))
+
+    def __hash__(self) -> int:  # frozen dataclasses hash their fields
+        return hash(tuple(sorted(self, key=repr)))
+
+
 @dataclass(frozen=True)
 class MixerSpec:
     """How to make one family's mixer padding-correct.
@@ -55,7 +72,7 @@ class MixerSpec:
     forward_by_class: Mapping[str, Callable[..., Any]] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "options", validate_options(self.model_type, self.kind, self.options))
+        object.__setattr__(self, "options", FrozenOptions(validate_options(self.model_type, self.kind, self.options)))
 
     def forward_for(self, class_name: str) -> Callable[..., Any]:
         """The generic forward that serves mixer class ``class_name``."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from .._config import text_config_value
 from .._state import hooked, module_state, state_of
-from .._tracing import device_check, tracing
+from .._tracing import device_check, require, tracing
 from ..cache import (
     CACHE_NAMES,
     CachePreHook,
@@ -254,24 +254,11 @@ class _ModelPreHook:
             kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
         )
         if seq_idx is not None and cache_requested:
-            device_check(
-                ~multi_sequence(seq_idx),
-                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
-                "keeps one recurrent state per row, so there is no right state to store. Call with "
-                "use_cache=False, or pad the sequences (left or right) instead of packing them.",
-            )
+            _require_no_packed_cache(~multi_sequence(seq_idx), source)
             seq_idx = None  # every row holds one sequence (checked): the unpacked path, as eager
         elif seq_idx is not None:
             if mask2d:
-                m = mask[:, -T:].to(torch.bool)  # [B, T]
-                device_check(
-                    ~pads_before_real(m).any(),
-                    f"packed boundaries ({source}) came together with an attention_mask that has padding before "
-                    "or between real tokens; packed rows may only end in padding (under torch.compile this holds "
-                    f"for rows of one sequence with {source} too). Put the pads at the end of each row, or pad "
-                    "without packing boundaries.",
-                )
-                seq_idx = torch.where(m, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
+                seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
             self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
             self._router_loss_mask(module, kwargs, real, mask[:, -T:] if mask2d else None, (B, T))
         elif mask2d and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:  # pos [B, T]
@@ -298,11 +285,7 @@ class _ModelPreHook:
         info = self.info
         explicit = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
         if explicit and not nested:
-            raise ValueError(
-                f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache "
-                "keeps one recurrent state per row, so there is no right state to store. Call with "
-                "use_cache=False, or pad the sequences (left or right) instead of packing them."
-            )
+            _require_no_packed_cache(False, source)  # (an eager seq_idx holds several sequences per row)
         if "use_cache" in info["params"] or info["var_kwargs"]:
             kwargs["use_cache"] = False  # the config default would build a cache nobody can use
         mask = kwargs.get("attention_mask")
@@ -355,6 +338,18 @@ class _ModelPreHook:
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m.to(keep.device)
         kwargs["attention_mask"] = None if keep is None else keep.to(torch.long)
+
+
+def _require_no_packed_cache(ok: torch.Tensor | bool, source: str) -> None:
+    """A call that asks for a cache must not hold packed rows: ``ok`` False (eager: the rows are packed) raises, a
+    ``[]`` bool tensor (traced: no row holds several sequences) is checked on the device
+    (:func:`safepad._tracing.require`). The one copy of the message."""
+    require(
+        ok,
+        f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache keeps one "
+        "recurrent state per row, so there is no right state to store. Call with use_cache=False, or pad the "
+        "sequences (left or right) instead of packing them.",
+    )
 
 
 def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, T: int, mask, ids) -> None:
@@ -436,17 +431,19 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
     Trailing pads come after every real token of their row, so in a causal model they can change no real
     token's output; as their own segment they also start from a fresh state. The attention mask is then
     dropped (packed calls carry their boundaries in ``seq_idx`` / ``position_ids``). Pads before or between
-    the packed sequences of a row have no such reading: raise.
+    the packed sequences of a row have no such reading: raise (eager: ``ValueError``; traced: checked on the device).
+    One body for eager and traced calls.
     """
-    bad_rows = pads_before_real(mask)  # [B]
-    if bool(bad_rows.any()):
-        row = int(bad_rows.nonzero()[0])
-        raise ValueError(
-            f"packed boundaries ({source}) came together with an attention_mask whose row {row} has padding before "
-            "or between real tokens; packed rows may only end in padding. Put the pads at the end of each row (the "
-            "safepad collator packs without any), or pad one sequence per row without packing boundaries."
-        )
+    require(
+        ~pads_before_real(mask).any(),
+        f"packed boundaries ({source}) came together with an attention_mask that has padding before or between real "
+        "tokens in a row; packed rows may only end in padding (under torch.compile this holds for rows of one "
+        f"sequence with {source} too). Put the pads at the end of each row (the safepad collator packs without any), "
+        "or pad one sequence per row without packing boundaries.",
+    )
     out = torch.where(mask, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
+    if tracing():
+        return out
     return mark_valid_seq_idx(out, multi_sequence=True)  # non-decreasing: a valid seq_idx, trailing pads added
 
 

@@ -1,6 +1,7 @@
 """Right-padded rows under ``torch.compile``: the traced model hook does no slot justification, so a cache an
-eager call re-laid, and a mask that ``generate`` built itself for a static cache, raise instead of silently
-generating from the caller's pads. Left-padded compiled generation keeps working (against each row alone)."""
+eager call re-laid raises instead of silently generating from the caller's pads. ``generate`` with a static cache
+(whose mask it builds itself), compiled or not, lays a right-padded prompt pads first before the prefill: right-
+and left-padded prompts both equal each row alone."""
 
 from __future__ import annotations
 
@@ -62,19 +63,18 @@ def test_compiled_call_on_a_cache_an_eager_call_relaid_raises(family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="compiled")])
 @torch.no_grad()
-def test_static_cache_generate_refuses_right_pads_and_serves_left_pads(family, compiled):
-    """generate() builds the mask itself for a static cache (the cache compiled generation needs): a right-padded
-    prompt raises naming the fix; a left-padded one equals each row alone (stock, full forwards, no cache)."""
+def test_static_cache_generate_serves_right_and_left_pads(family, compiled):
+    """generate() builds the mask itself for a static cache (the cache compiled generation needs): right- and
+    left-padded prompts equal each row alone (stock, full forwards, no cache), and the caller's prompt is kept."""
     stock, wrapped = _models(family)
     rows = prompts((6, 3), seed=5)
     kw = dict(do_sample=False, cache_implementation="static", **gen_kwargs(3))
     if compiled:
         kw["compile_config"] = _compile_config()
-    ids, mask = pad(rows, "right")
-    with pytest.raises(ValueError, match="padding after real tokens .*Pad prompts on the left"):
-        wrapped.generate(input_ids=ids, attention_mask=mask, **kw)
-    ids, mask = pad(rows, "left")
-    got = wrapped.generate(input_ids=ids, attention_mask=mask, **kw)
-    for i, r in enumerate(rows):
-        want, _ = greedy_alone(stock, r, 3)
-        assert torch.equal(got[i, ids.shape[1] :], want), (i, got[i].tolist(), want.tolist())
+    for side in ("right", "left"):
+        ids, mask = pad(rows, side)
+        got = wrapped.generate(input_ids=ids, attention_mask=mask, **kw)
+        assert torch.equal(got[:, : ids.shape[1]], ids), side
+        for i, r in enumerate(rows):
+            want, _ = greedy_alone(stock, r, 3)
+            assert torch.equal(got[i, ids.shape[1] :], want), (side, i, got[i].tolist(), want.tolist())
