@@ -37,11 +37,12 @@ from __future__ import annotations
 
 from .core import FIRST_TOKEN, PAD_ID, STATS, FuzzFailure, FuzzStats
 from .known import KNOWN_DEFECTS, KnownDefect
-from .machine import fuzz_families, machine_for, run_family
+from .machine import COMPILE_MODES, fuzz_families, machine_for, run_family
 from .session import Session
 from .cli import main
 
 __all__ = [
+    "COMPILE_MODES",
     "KNOWN_DEFECTS",
     "FuzzFailure",
     "FuzzStats",

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated families (default: every supported one)")
     p.add_argument("--examples", type=int, default=10, help="call sequences per family per round")
     p.add_argument("--steps", type=int, default=int(os.environ.get("FUZZ_STEPS", "8")))
+    p.add_argument("--compile-every", type=int, default=int(os.environ.get("FUZZ_COMPILE_EVERY", "8")),
+                   help="about one call sequence in N runs compiled (torch.compile(model) or a compiled forward); "
+                        "0: eager only")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     families = [f for f in args.families.split(",") if f] or fuzz_families()
@@ -38,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             if fam in failed or time.monotonic() >= deadline:
                 continue
             try:
-                run_family(fam, args.examples, args.steps, seed=None)
+                run_family(fam, args.examples, args.steps, seed=None, compile_every=args.compile_every)
             except Exception as exc:  # noqa: BLE001 -- collect, report, go on with the others
                 failed[fam] = f"{type(exc).__name__}: {exc}"
                 _stats(fam).failures.append(failed[fam])

@@ -84,11 +84,12 @@ def _rel(got: Tensor, ref: Tensor) -> float:
 
 @dataclass
 class FuzzStats:
-    """Counts of one family's fuzzing: call sequences (examples), calls made, calls refused by a safepad
-    error, skipped draws per known defect, failures (their repro messages)."""
+    """Counts of one family's fuzzing: call sequences (examples) and how many of them ran compiled, calls made,
+    calls refused by a safepad error, skipped draws per known defect, failures (their repro messages)."""
 
     family: str
     sequences: int = 0
+    compiled: int = 0
     calls: int = 0
     refused: int = 0
     rules: dict[str, int] = field(default_factory=dict)
@@ -100,7 +101,8 @@ class FuzzStats:
     def line(self) -> str:
         skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
         return (
-            f"{self.family:22s} sequences {self.sequences:5d}  calls {self.calls:6d}  refused {self.refused:4d}  "
+            f"{self.family:22s} sequences {self.sequences:5d} (compiled {self.compiled:3d})  calls {self.calls:6d}  "
+            f"refused {self.refused:4d}  "
             f"failures {len(self.failures)}  {self.seconds:6.1f} s ({self.cpu_seconds:.1f} s CPU)  "
             f"skipped draws: {skipped}"
         )

@@ -11,7 +11,7 @@ import torch
 from .core import FIRST_TOKEN, Batch, FuzzStats, _io, _models, _stats
 from .session import Session
 
-__all__ = ["fuzz_families", "machine_for", "run_family"]
+__all__ = ["COMPILE_MODES", "fuzz_families", "machine_for", "run_family"]
 
 
 def _strategies(vocab: int):
@@ -42,9 +42,19 @@ def _strategies(vocab: int):
     return st, token, batch
 
 
-def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = True) -> type:
+#: how each call sequence runs the subject: eager, or compiled as users compile (:meth:`Session.compile`).
+#: backend "eager": dynamo traces safepad's hooks with the forward (the traced path, where compiled calls differ
+#: from eager) and runs the captured graphs eagerly, seconds per sequence on CPU where inductor takes minutes;
+#: "aot_eager" adds AOTAutograd (functionalized forward and backward graphs: the compiled backward).
+COMPILE_MODES: tuple[tuple[str, str], ...] = (("model", "eager"), ("forward", "eager"), ("model", "aot_eager"))
+
+
+def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = True, compile_every: int = 0,
+                compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES) -> type:
     """A hypothesis ``RuleBasedStateMachine`` subclass fuzzing ``family`` (its rules draw :class:`Session` calls;
-    ``wrap=False`` fuzzes the stock model, which must fail)."""
+    ``wrap=False`` fuzzes the stock model, which must fail). ``compile_every``: about one call sequence in that
+    many runs compiled (a mode of ``compile_modes``, ``(mode, backend)`` pairs for :meth:`Session.compile`); 0:
+    every sequence eager; 1: every sequence compiled."""
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
     stock, _ = _models(family, dtype, wrap)
@@ -57,9 +67,19 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
             super().__init__()
             self.s = Session(family, dtype, wrap=wrap)
 
-        @initialize()
-        def start(self) -> None:
+        # eager first, so that shrinking leads to eager; each compile mode once in ``compile_every`` draws
+        _runs = ([None] * max(0, len(compile_modes) * (compile_every - 1)) + list(compile_modes)
+                 if compile_every else [None])
+
+        @initialize(how=st.sampled_from(_runs))
+        def start(self, how) -> None:
             self.s.stats.sequences += 1
+            if how is not None:
+                self.s.stats.compiled += 1
+                self.s.compile(*how)
+
+        def teardown(self) -> None:
+            self.s.close()
 
         @rule(b=batch(), pos=st.booleans(), labels=st.booleans(), backward=st.booleans(),
               hidden=st.booleans(), attn=st.booleans(), keep=st.sampled_from([0, 0, 0, 1, 2]),
@@ -124,19 +144,36 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         def reorder(self, order) -> None:
             self.s.reorder(order)
 
+        @precondition(lambda self: self.s.stream is not None)
+        @rule(b=batch(holes=False, max_len=12), pos=st.booleans())
+        def reset(self, b, pos) -> None:
+            self.s.prefill(b, position_ids=pos, reset=True)
+
+        @precondition(lambda self: self.s.stream is not None)
+        @rule(indices=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+        def select(self, indices) -> None:
+            self.s.select(indices)
+
+        @precondition(lambda self: self.s.stream is not None)
+        @rule(repeats=st.integers(1, 2))
+        def repeat(self, repeats) -> None:
+            self.s.repeat(repeats)
+
     FuzzMachine.__name__ = FuzzMachine.__qualname__ = f"Fuzz_{family}"
     return FuzzMachine
 
 
 def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
-               dtype: torch.dtype = torch.float32, wrap: bool = True) -> FuzzStats:
+               dtype: torch.dtype = torch.float32, wrap: bool = True, compile_every: int = 0,
+               compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES) -> FuzzStats:
     """Fuzz ``family``: ``examples`` call sequences of up to ``steps`` calls; ``seed`` fixes the draws (None:
     random). Raises :class:`FuzzFailure` (the shrunk repro) on the first failure. ``wrap=False`` fuzzes the
-    stock model (a check of the oracle: it must fail)."""
+    stock model (a check of the oracle: it must fail). ``compile_every``, ``compile_modes``: see
+    :func:`machine_for`."""
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    machine = machine_for(family, dtype, wrap)
+    machine = machine_for(family, dtype, wrap, compile_every, compile_modes)
     stats = _stats(family if wrap else f"{family} (stock)")
     t0, c0 = time.perf_counter(), time.process_time()
     cfg = settings(

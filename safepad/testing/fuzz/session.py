@@ -30,6 +30,21 @@ from .oracle import _Oracle
 
 __all__ = ["Session"]
 
+_NO_FORWARD = object()
+#: models whose ``forward`` a session compiled: id -> (model, the instance attribute it replaced)
+_PATCHED: dict[int, tuple[nn.Module, Any]] = {}
+
+
+def _unpatch(model: nn.Module) -> None:
+    """Undo ``model.forward = torch.compile(model.forward)`` made by :meth:`Session.compile`."""
+    entry = _PATCHED.pop(id(model), None)
+    if entry is None:
+        return
+    if entry[1] is _NO_FORWARD:
+        model.__dict__.pop("forward", None)
+    else:
+        model.forward = entry[1]
+
 
 class Session(_Oracle):
     """One family's wrapped model, its stock twin, and the calls a user makes; each call checks its outputs.
@@ -50,7 +65,10 @@ class Session(_Oracle):
         self.dtype = dtype
         self.skip_known = skip_known
         self.stock, self.model = _models(family, dtype, wrap)
+        _unpatch(self.model)  # a compiled forward left by an earlier session that was not closed
         self.ref, self.io = _io(self.stock), _io(self.model)
+        self.runner: nn.Module = self.model  # what calls go through: the model, or its torch.compile'd object
+        self.compiled = "eager"
         self.vocab = self.ref.vocab
         self.tol = default_tol(dtype) if tol is None else tol
         self.banned = _banned_tokens(self.stock)
@@ -245,21 +263,56 @@ class Session(_Oracle):
             self._check_loss(f"packed via {via}", dict(out.items()), ids, lab, seqs, None, grad)
         self.model.zero_grad(set_to_none=True)
 
+    def compile(self, mode: str = "model", backend: str = "eager") -> None:
+        """Compile the subject as users do; every later call of this session goes through it (the oracle stays the
+        stock eager model). ``mode``: ``"model"`` (``model = torch.compile(model)``, the object; ``generate`` is
+        then the module's own, reached through the compiled object) or ``"forward"``
+        (``model.forward = torch.compile(model.forward)``, undone by :meth:`close`). ``backend``: ``"eager"``
+        (dynamo traces safepad's hooks with the forward and runs the captured graphs eagerly: the traced path,
+        at a fraction of inductor's compile time) or ``"aot_eager"`` (AOTAutograd as well: functionalized forward
+        and backward graphs)."""
+        if mode not in ("model", "forward"):
+            raise ValueError(f"compile mode {mode!r}: 'model' or 'forward'")
+        self._record("compile", {"mode": mode, "backend": backend})
+        self.close()
+        torch._dynamo.reset()  # each compiled session traces afresh (no guards or recompile counts carried over)
+        if mode == "model":
+            self.runner = torch.compile(self.model, backend=backend)
+        else:
+            _PATCHED[id(self.model)] = (self.model, self.model.__dict__.get("forward", _NO_FORWARD))
+            self.model.forward = torch.compile(self.model.forward, backend=backend)
+        self.compiled = f"{mode}:{backend}"
+
+    def close(self) -> None:
+        """Back to eager: undo :meth:`compile` (the model objects are shared by every session of the process)."""
+        _unpatch(self.model)
+        self.runner, self.compiled = self.model, "eager"
+
     def prefill(self, batch: Batch, position_ids: bool = True, output_hidden_states: bool = False,
-                output_attentions: bool = False, return_dict: bool = True) -> None:
-        """A cached prefill (``use_cache=True``) of a padded batch: starts the live stream."""
+                output_attentions: bool = False, return_dict: bool = True, reset: bool = False) -> None:
+        """A cached prefill (``use_cache=True``) of a padded batch: starts the live stream. ``reset``: into the
+        live stream's cache after ``cache.reset()`` (a cache reused for a new batch: must equal a fresh cache)."""
         kw = dict(batch=batch, position_ids=position_ids, output_hidden_states=output_hidden_states,
                   output_attentions=output_attentions, return_dict=return_dict)
+        old = self.stream.cache if reset and self.stream is not None else None
+        if old is not None:
+            if not callable(getattr(old, "reset", None)):
+                return
+            kw["reset"] = True
         ids, mask, flags = _layout(batch)
         if self._skip("prefill", {**kw, **flags, "cached": True, "stream": None}):
             return
         self._record("prefill", kw)
         self.stream = None
+        if old is not None:
+            ok, _ = self._run("reset", old.reset)
+            if not ok:
+                return
         history = [[t for t in row if t is not None] for row in batch]
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "use_cache": True}
         if position_ids and self.io.takes_positions:
             kwargs["position_ids"] = _positions(mask)
-        fresh = self.io.fresh_cache()
+        fresh = self.io.fresh_cache() if old is None else old
         if fresh is None and self.io.cache_kw is not None and not _output_carries_cache(self.stock):
             # a model whose output carries no cache (RecurrentGemma): hand in the one every later call continues,
             # as docs/inference.md says
@@ -370,7 +423,7 @@ class Session(_Oracle):
             torch.manual_seed(0)
         if keep:
             self.stream = None
-        ok, out = self._run("generate", lambda: self._generate(self.model, gkw),
+        ok, out = self._run("generate", lambda: self._generate(self.runner, gkw),
                             lambda: self._generate(self.stock, gkw))
         if not ok:
             if mode == "lookup":  # where stock serves assisted generation, a wrapped model must serve it
@@ -443,7 +496,7 @@ class Session(_Oracle):
         )
         gkw[self.io.cache_kw] = st.cache
         self.stream = None
-        ok, out = self._run("generate_more", lambda: self._generate(self.model, gkw))
+        ok, out = self._run("generate_more", lambda: self._generate(self.runner, gkw))
         if not ok:
             return
         seqs = out.sequences[:, W + 1 :].tolist()
@@ -500,6 +553,45 @@ class Session(_Oracle):
         self.stream = _Stream([list(st.history[i]) for i in idx], st.mask[idx], st.cache,
                               None if st.pending is None else [st.pending[i] for i in idx], st.right, st.padded)
 
+    def select(self, indices: list[int]) -> None:
+        """``cache.batch_select_indices(indices)`` (as contrastive search and assisted generation call it): keep
+        those rows of the live stream, in that order; the histories follow."""
+        st = self.stream
+        if st is None:
+            return
+        B = len(st.history)
+        idx = [i % B for i in indices] or [0]
+        fn = getattr(st.cache, "batch_select_indices", None)
+        if not callable(fn):
+            return
+        self._record("select", {"indices": indices})
+        self.stream = None
+        ok, _ = self._run("select", lambda: fn(torch.tensor(idx)),
+                          lambda: self._stock_cache(B).batch_select_indices(torch.tensor(idx)))
+        if not ok:
+            return
+        self.stream = _Stream([list(st.history[i]) for i in idx], st.mask[idx], st.cache,
+                              None if st.pending is None else [st.pending[i] for i in idx], st.right, st.padded)
+
+    def repeat(self, repeats: int) -> None:
+        """``cache.batch_repeat_interleave(repeats)`` (as ``generate`` expands a cache for ``num_return_sequences``):
+        each row of the live stream ``repeats`` times in a row; the histories follow."""
+        st = self.stream
+        if st is None:
+            return
+        fn = getattr(st.cache, "batch_repeat_interleave", None)
+        if not callable(fn):
+            return
+        self._record("repeat", {"repeats": repeats})
+        self.stream = None
+        ok, _ = self._run("repeat", lambda: fn(repeats),
+                          lambda: self._stock_cache(len(st.history)).batch_repeat_interleave(repeats))
+        if not ok:
+            return
+        idx = [i for i in range(len(st.history)) for _ in range(repeats)]
+        self.stream = _Stream([list(st.history[i]) for i in idx], st.mask[idx], st.cache,
+                              None if st.pending is None else [st.pending[i] for i in idx], st.right, st.padded)
+
     # ---- helpers ------------------------------------------------------------------------------------------
 
     def _opts(self, hidden: bool, attentions: bool, logits_to_keep: int, return_dict: bool) -> dict[str, Any]:
@@ -549,12 +641,12 @@ class Session(_Oracle):
 
     def _call(self, kwargs: dict[str, Any], grad: bool = False) -> Any:
         if grad:
-            out = self.model(**kwargs)
+            out = self.runner(**kwargs)
             loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
             loss.backward()
             return out
         with torch.no_grad():
-            return self.model(**kwargs)
+            return self.runner(**kwargs)
 
     def _stock_call(self, kwargs: dict[str, Any]) -> Any:
         """The same call on the stock twin (a cache argument replaced by a fresh cache of the stock model's)."""
@@ -564,6 +656,15 @@ class Session(_Oracle):
             kwargs[self.ref.cache_kw] = fresh
         with torch.no_grad():
             return self.stock(**kwargs)
+
+    def _stock_cache(self, rows: int) -> Any:
+        """A cache the stock model filled with a ``rows``-row, 2-token prefill (to try a cache operation on)."""
+        kwargs: dict[str, Any] = {"input_ids": torch.full((rows, 2), FIRST_TOKEN), "use_cache": True}
+        out = self._stock_call(kwargs)
+        cache = self._cache_of(dict(out.items()), kwargs)
+        if cache is None:
+            raise RuntimeError("the stock model returned no cache")
+        return cache
 
     @staticmethod
     def _generate(model: nn.Module, gkw: dict[str, Any]) -> Any:
