@@ -16,7 +16,7 @@ from safepad.testing.tiny import MODEL_TYPE_FAMILIES, family_available, family_n
 
 EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "10"))
 STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "6"))
-COMPILED_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_EXAMPLES", "2"))
+COMPILED_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_EXAMPLES", "3"))
 COMPILED_STEPS = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_STEPS", "4"))
 
 

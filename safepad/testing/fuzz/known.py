@@ -17,8 +17,9 @@ class KnownDefect:
     """One open defect the fuzzer finds: draws matching ``applies(family, rule, call)`` are skipped and counted.
 
     ``call`` holds the rule's keyword arguments plus ``right`` / ``left`` / ``holes`` (whether any row of the
-    batch is right-padded, left-padded, or has a hole), ``cached`` (a cache goes in or comes out) and ``stream``
-    (the live batch's flags, a dict, or None).
+    batch is right-padded, left-padded, or has a hole), ``cached`` (a cache goes in or comes out), ``stream``
+    (the live batch's flags, a dict, or None) and ``compiled`` (``"eager"``, or the session's compile mode as
+    ``"model:eager"``, ``"forward:eager"``, ``"model:aot_eager"``).
     """
 
     item: str

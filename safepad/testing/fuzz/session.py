@@ -109,7 +109,7 @@ class Session(_Oracle):
     def _skip(self, rule: str, call: dict[str, Any]) -> bool:
         if not self.skip_known:
             return False
-        info = {**call, "stream": None}
+        info = {**call, "stream": None, "compiled": self.compiled}
         if self.stream is not None:
             info["stream"] = {"right": self.stream.right, "padded": self.stream.padded}
         for d in KNOWN_DEFECTS:
