@@ -97,3 +97,16 @@ def test_all_pad_chunk_then_right_padded_chunk(family: str) -> None:
     s.prefill([[3]], position_ids=False)
     s.chunk([[None]], position_ids=False)
     s.chunk([[3, None]], position_ids=False)
+
+
+@pytest.mark.xfail(strict=True, raises=fuzz.FuzzFailure, reason=fuzz.KNOWN_DEFECTS[3].reason)
+@pytest.mark.parametrize("family", [_param("bamba", id="bamba")])
+def test_compiled_prefill_into_a_reset_cache_of_a_right_padded_generate(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    try:
+        s.compile(mode="model", backend="eager")
+        s.generate([[202, 204, 215, 255, None], [250, 105, 18, 51, 251]], max_new_tokens=1, use_cache=True,
+                   mode="greedy", keep=True)
+        s.prefill([[None, None, 103, 16], [None, 125, 147, 82]], position_ids=False, reset=True)
+    finally:
+        s.close()

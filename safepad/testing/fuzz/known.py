@@ -64,4 +64,14 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "after earlier sequences on the same model object (the shrunk program passes on a fresh model: state "
         "carried across calls, perhaps the model's rope deltas; not found yet)",
     ),
+    KnownDefect(
+        "new-5",
+        lambda f, r, c: r == "prefill" and bool(c.get("reset")) and str(c.get("compiled", "")).startswith("model:")
+        and bool((c.get("stream") or {}).get("right")),
+        "torch.compile(model) (the object): cache.reset() on a cache a right-padded generate returned, then a "
+        "compiled prefill into it: without position_ids dynamo raises AssertionError ('... is already tracked for "
+        "mutation') from safepad/wrap/frames.py check_enclosing_call_at_trace; with them safepad refuses it as a "
+        "re-laid cache although reset emptied it (bamba, falcon_h1; eager, a compiled forward, left pads and a "
+        "right-padded prefill's cache pass; the traced path, issue 29)",
+    ),
 )
