@@ -660,7 +660,15 @@ class Session(_Oracle):
     def _stock_cache(self, rows: int) -> Any:
         """A cache the stock model filled with a ``rows``-row, 2-token prefill (to try a cache operation on)."""
         kwargs: dict[str, Any] = {"input_ids": torch.full((rows, 2), FIRST_TOKEN), "use_cache": True}
-        out = self._stock_call(kwargs)
+        fresh = self.ref.fresh_cache()
+        if fresh is None and self.ref.cache_kw is not None and not _output_carries_cache(self.stock):
+            from transformers import DynamicCache  # RecurrentGemma: the cache handed in is the one it fills
+
+            fresh = DynamicCache(config=self.stock.config)
+        if fresh is not None:
+            kwargs[self.ref.cache_kw] = fresh
+        with torch.no_grad():
+            out = self.stock(**kwargs)
         cache = self._cache_of(dict(out.items()), kwargs)
         if cache is None:
             raise RuntimeError("the stock model returned no cache")
