@@ -49,10 +49,14 @@ def _io(model: nn.Module):
 
 
 def _is_safepad_error(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by safepad itself (its raise site in the package, not in safepad.testing)."""
+    """Whether ``exc`` was raised by safepad itself (its raise site in the package, not in safepad.testing); under
+    ``torch.compile``, a dynamo error raised from one (its ``__cause__``, e.g. ``InternalTorchDynamoError``)."""
     from ...errors import PaddingError, UnsupportedModelError
 
     if isinstance(exc, (PaddingError, UnsupportedModelError)):
+        return True
+    cause = exc.__cause__
+    if cause is not None and type(exc).__module__.startswith("torch._dynamo") and _is_safepad_error(cause):
         return True
     if not isinstance(exc, (ValueError, TypeError, NotImplementedError, RuntimeError)):
         return False
