@@ -110,3 +110,12 @@ def test_compiled_prefill_into_a_reset_cache_of_a_right_padded_generate(family: 
         s.prefill([[None, None, 103, 16], [None, 125, 147, 82]], position_ids=False, reset=True)
     finally:
         s.close()
+
+
+@pytest.mark.xfail(strict=True, raises=fuzz.FuzzFailure, reason=fuzz.KNOWN_DEFECTS[4].reason)
+@pytest.mark.parametrize("family", [_param("falcon_h1", id="falcon_h1")])
+def test_batch_select_indices_then_reorder_on_a_hybrid_layer_cache(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.prefill([[3]], position_ids=False)
+    s.select([0, 0])
+    s.reorder([1])

@@ -74,4 +74,12 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "re-laid cache although reset emptied it (bamba, falcon_h1; eager, a compiled forward, left pads and a "
         "right-padded prefill's cache pass; the traced path, issue 29)",
     ),
+    KnownDefect(
+        "new-6",
+        lambda f, r, c: r in ("select", "repeat") and bool(c.get("partial_op")),
+        "cache.batch_select_indices / batch_repeat_interleave on a cache whose hybrid layers (e.g. falcon_h1's "
+        "LinearAttentionAndFullAttentionLayer) inherit them from transformers' DynamicLayer: only keys and values "
+        "move, the conv / recurrent states keep the old rows (stock is as wrong); a later reorder_cache raises "
+        "IndexError. safepad neither fixes nor refuses it",
+    ),
 )

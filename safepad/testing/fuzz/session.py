@@ -35,6 +35,18 @@ _NO_FORWARD = object()
 _PATCHED: dict[int, tuple[nn.Module, Any]] = {}
 
 
+def _partial_op(cache: Any, name: str) -> bool:
+    """Whether ``cache``'s batch operation ``name`` leaves states behind: a layer holding conv / recurrent states
+    whose class inherits ``name`` from transformers' ``DynamicLayer`` (which moves only keys and values)."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    base = getattr(DynamicLayer, name, None)
+    return any(hasattr(layer, "conv_states") and getattr(type(layer), name, None) is base
+               for layer in getattr(cache, "layers", ()))
+
+
 def _unpatch(model: nn.Module) -> None:
     """Undo ``model.forward = torch.compile(model.forward)`` made by :meth:`Session.compile`."""
     entry = _PATCHED.pop(id(model), None)
@@ -564,6 +576,9 @@ class Session(_Oracle):
         fn = getattr(st.cache, "batch_select_indices", None)
         if not callable(fn):
             return
+        if self._skip("select", {"indices": indices, "cached": True,
+                                 "partial_op": _partial_op(st.cache, "batch_select_indices")}):
+            return
         self._record("select", {"indices": indices})
         self.stream = None
         ok, _ = self._run("select", lambda: fn(torch.tensor(idx)),
@@ -581,6 +596,9 @@ class Session(_Oracle):
             return
         fn = getattr(st.cache, "batch_repeat_interleave", None)
         if not callable(fn):
+            return
+        if self._skip("repeat", {"repeats": repeats, "cached": True,
+                                 "partial_op": _partial_op(st.cache, "batch_repeat_interleave")}):
             return
         self._record("repeat", {"repeats": repeats})
         self.stream = None
