@@ -37,11 +37,12 @@ def test_fuzz_family(family: str, record_property) -> None:
 
 
 # Compiled call sequences (torch.compile(model) and a compiled forward; safepad.testing.fuzz.COMPILE_MODES): each
-# costs seconds of tracing, so the fixed tier compiles a few short sequences on the families whose compiled decode
-# issue 28 item 2 found wrong; `make fuzz` compiles about one sequence in 8 (FUZZ_COMPILE_EVERY) on every family.
+# costs seconds of tracing, so the fixed tier compiles a few short sequences on two of the families whose compiled
+# decode issue 28 item 2 found wrong (qwen3_next, the third, costs 20 s CPU here: left to `make fuzz`);
+# `make fuzz` compiles about one sequence in 8 (FUZZ_COMPILE_EVERY) on every family.
 _COMPILED = [
     pytest.param("bamba", "model", "eager", id="bamba-compile_model-eager"),
-    pytest.param("qwen3_next", "forward", "eager", id="qwen3_next-compile_forward-eager"),
+    pytest.param("lfm2", "forward", "eager", id="lfm2-compile_forward-eager"),
     pytest.param("lfm2", "model", "aot_eager", id="lfm2-compile_model-aot_eager"),
 ]
 
