@@ -82,4 +82,12 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "move, the conv / recurrent states keep the old rows (stock is as wrong); a later reorder_cache raises "
         "IndexError. safepad neither fixes nor refuses it",
     ),
+    KnownDefect(
+        "new-7",
+        lambda f, r, c: r == "prefill" and bool(c.get("reset")) and str(c.get("compiled", "")).startswith("model:")
+        and c.get("rows") != c.get("stream_rows"),
+        "torch.compile(model): cache.reset() keeps the linear-attention states' batch size, and a compiled prefill "
+        "of a different number of rows into it fails in dynamo ('expand: attempting to expand a dimension of "
+        "length 3 -> 1', kimi_linear); eager passes",
+    ),
 )

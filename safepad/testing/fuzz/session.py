@@ -312,7 +312,8 @@ class Session(_Oracle):
                 return
             kw["reset"] = True
         ids, mask, flags = _layout(batch)
-        if self._skip("prefill", {**kw, **flags, "cached": True, "stream": None}):
+        rows = {"rows": len(batch), "stream_rows": len(self.stream.history) if self.stream is not None else 0}
+        if self._skip("prefill", {**kw, **flags, "cached": True, "stream": None, **rows}):
             return
         self._record("prefill", kw)
         self.stream = None
