@@ -18,7 +18,10 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["CallScope", "device_check", "in_backward", "require", "tracing"]
+__all__ = ["CallScope", "device_check", "in_backward", "is_device_check_error", "require", "tracing"]
+
+#: every message a compiled call may raise from :func:`device_check` (recorded when dynamo traces the check)
+_DEVICE_CHECK_MESSAGES: set[str] = set()
 
 T = TypeVar("T")
 
@@ -30,7 +33,15 @@ def tracing() -> bool:
 
 def device_check(ok: Tensor, message: str) -> None:
     """Raise ``RuntimeError(message)`` when the one-element bool tensor ``ok`` is False, without a host sync."""
+    _DEVICE_CHECK_MESSAGES.add(message)
     torch._assert_async(ok, message)
+
+
+def is_device_check_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed :func:`device_check` of safepad's: compiled code raises it as a ``RuntimeError``
+    from inside torch (its raise site is not in safepad), carrying the check's message."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(m in text for m in _DEVICE_CHECK_MESSAGES)
 
 
 def require(ok: Tensor | bool, message: str) -> None:

@@ -138,3 +138,25 @@ def test_two_threads_calling_wrapped_models_see_their_own_scopes():
     assert seen[0] == ((2, 5), True) and seen[1] == ((2, 9), True)
     assert seen["len0"] == 5 and seen["len1"] == 9
     assert current_context() is None and not cache_mod._in_call()
+
+
+def test_a_failed_compiled_device_check_is_recognised_as_safepads() -> None:
+    """A compiled ``require`` fails as a ``RuntimeError`` raised inside torch (not at a safepad raise site): the
+    fuzzer's oracle must still tell it apart from a crash, by its message."""
+    import torch
+
+    from safepad._tracing import is_device_check_error, require
+
+    message = "safepad test: rows must be positive (pass positive rows)"
+
+    def f(x):
+        require((x > 0).all(), message)
+        return x * 2
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError) as info:
+        compiled(-torch.ones(3))
+    assert message in str(info.value) and is_device_check_error(info.value)
+    assert not is_device_check_error(RuntimeError("view size is not compatible with input tensor's size"))
+    assert not is_device_check_error(ValueError(message))  # eager raises ValueError at its own raise site

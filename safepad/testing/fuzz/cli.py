@@ -1,0 +1,59 @@
+"""``python -m safepad.testing.fuzz`` / ``make fuzz``: the open-ended, time-bounded run over every family."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from .core import _stats
+from .known import KNOWN_DEFECTS
+from .machine import fuzz_families, run_family
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m safepad.testing.fuzz``: fuzz every family round-robin until ``--minutes`` pass; print the
+    per-family counts, skipped draws and each failure's repro. Exit status 1 iff something failed."""
+    doc = sys.modules[__package__].__doc__ or ""
+    p = argparse.ArgumentParser(prog="python -m safepad.testing.fuzz", description=doc.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=float(os.environ.get("FUZZ_MINUTES", "10")))
+    p.add_argument("--families", default=os.environ.get("FUZZ_FAMILIES", ""),
+                   help="comma-separated families (default: every supported one)")
+    p.add_argument("--examples", type=int, default=10, help="call sequences per family per round")
+    p.add_argument("--steps", type=int, default=int(os.environ.get("FUZZ_STEPS", "8")))
+    p.add_argument("--compile-every", type=int, default=int(os.environ.get("FUZZ_COMPILE_EVERY", "8")),
+                   help="about one call sequence in N runs compiled (torch.compile(model) or a compiled forward); "
+                        "0: eager only")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    families = [f for f in args.families.split(",") if f] or fuzz_families()
+    deadline = time.monotonic() + args.minutes * 60
+    failed: dict[str, str] = {}
+    rounds = 0
+    while time.monotonic() < deadline:
+        rounds += 1
+        for fam in families:
+            if fam in failed or time.monotonic() >= deadline:
+                continue
+            try:
+                run_family(fam, args.examples, args.steps, seed=None, compile_every=args.compile_every)
+            except Exception as exc:  # noqa: BLE001 -- collect, report, go on with the others
+                failed[fam] = f"{type(exc).__name__}: {exc}"
+                _stats(fam).failures.append(failed[fam])
+        if len(failed) == len(families):
+            break
+    print(f"== safepad fuzz: {args.minutes:g} min, {rounds} rounds, {len(families)} families")
+    for fam in families:
+        print(_stats(fam).line())
+    tot = [_stats(f) for f in families]
+    print(f"total: sequences {sum(s.sequences for s in tot)}, calls {sum(s.calls for s in tot)}, "
+          f"failures {len(failed)}")
+    print("known defects (skipped draws): " + "; ".join(f"{d.item}: {d.reason}" for d in KNOWN_DEFECTS))
+    for fam, msg in failed.items():
+        print(f"\n==== FAILURE {fam} ====\n{msg}")
+    return 1 if failed else 0

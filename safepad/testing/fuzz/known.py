@@ -1,0 +1,78 @@
+"""Known open defects the fuzzer finds: each names the issue item, the predicate of the draws it skips, and why.
+Skipped draws are counted and printed, not hidden."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["KNOWN_DEFECTS", "KnownDefect", "known_defect"]
+
+
+@dataclass(frozen=True)
+class KnownDefect:
+    """One open defect the fuzzer finds: draws matching ``applies(family, rule, call)`` are skipped and counted.
+
+    ``call`` holds the rule's keyword arguments plus ``right`` / ``left`` / ``holes`` (whether any row of the
+    batch is right-padded, left-padded, or has a hole), ``cached`` (a cache goes in or comes out), ``stream``
+    (the live batch's flags, a dict, or None) and ``compiled`` (``"eager"``, or the session's compile mode as
+    ``"model:eager"``, ``"forward:eager"``, ``"model:aot_eager"``).
+    """
+
+    item: str
+    applies: Callable[[str, str, dict[str, Any]], bool]
+    reason: str
+
+
+
+def _output_carries_cache(model: nn.Module) -> bool:
+    """Whether ``model``'s forward returns a cache (its output dataclass has a cache field); True when unknown."""
+    import inspect
+    import typing
+
+    ann = inspect.signature(type(model).forward).return_annotation
+    for t in typing.get_args(ann) or (ann,):
+        fields = getattr(t, "__dataclass_fields__", None)
+        if fields is not None:
+            return any(n in fields for n in ("past_key_values", "cache_params", "cache"))
+    return True
+
+
+#: The open defects of issue 28 that the fuzzer reaches; the coordinator removes an entry when its fix merges.
+KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
+    KnownDefect(
+        "new-2",
+        lambda f, r, c: r == "generate" and c.get("mode") == "lookup" and bool(c.get("static", False)),
+        "assisted (prompt-lookup) generate with a static cache on the conv-only families that serve it (lfm2_moe "
+        "1.1e-3, lfm2_vl 4.8e-4 against the prompt alone): transformers' own, not state carried across calls: a "
+        "fresh stock model gives the very same numbers (lfm2_vl [9, 9, 9, 9]: 1.19e-4 wrapped and stock, in float64 "
+        "as well; a dynamic cache or plain greedy 3e-7), near the tolerance, so a draw crosses it or not",
+    ),
+    KnownDefect(
+        "new-6",
+        lambda f, r, c: r in ("select", "repeat") and bool(c.get("partial_op")),
+        "cache.batch_select_indices / batch_repeat_interleave on a cache whose hybrid layers (e.g. falcon_h1's "
+        "LinearAttentionAndFullAttentionLayer) inherit them from transformers' DynamicLayer: only keys and values "
+        "move, the conv / recurrent states keep the old rows (stock is as wrong); a later reorder_cache raises "
+        "IndexError. safepad neither fixes nor refuses it",
+    ),
+    KnownDefect(
+        "new-7",
+        lambda f, r, c: r == "prefill" and bool(c.get("reset")) and str(c.get("compiled", "")).startswith("model:")
+        and c.get("rows") != c.get("stream_rows"),
+        "torch.compile(model): cache.reset() keeps the linear-attention states' batch size, and a compiled prefill "
+        "of a different number of rows into it fails in dynamo ('expand: attempting to expand a dimension of "
+        "length 3 -> 1', kimi_linear); eager passes",
+    ),
+)
+
+
+def known_defect(item: str) -> KnownDefect:
+    """The :data:`KNOWN_DEFECTS` entry named ``item`` (e.g. ``"new-5"``); a regression test names its defect."""
+    for d in KNOWN_DEFECTS:
+        if d.item == item:
+            return d
+    raise KeyError(f"no known defect {item!r}; open ones: {[d.item for d in KNOWN_DEFECTS]}")
