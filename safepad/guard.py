@@ -43,6 +43,8 @@ from torch import Tensor, nn
 from .cache import CACHE_NAMES
 from .errors import PaddingError, PaddingWarning, UnsupportedModelError
 from .layout.boundaries import packing_positions
+from .layout.masks import ends_in_padding, has_holes
+from .layout.normalize import change_points, restarts_at_real_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -518,35 +520,30 @@ def _summarize(
 
     Entries: real tokens of this call, right-padded rows, rows with holes, sequences (non-empty rows, or
     packed sequences from ``n_cu`` / ``seq_idx`` / ``position_ids``), position restarts (with a mask: at real
-    tokens after each row's first real one), ``seq_idx`` changes.
+    tokens after each row's first real one in this call), ``seq_idx`` changes. Every entry is counted from the
+    predicates wrap decides with (:mod:`safepad.layout`), stacked here so the guard reads them in one sync.
     """
-    real_after_first = None
+    # the classification is wrap's own (safepad.layout predicates, device tensors), so the two cannot disagree
+    cur = None
     if mask is not None:
         m = mask != 0  # [B, Tm]; Tm = past + T during decode
         cur = m[:, -T:]  # [B, T]: the columns of this call's tokens
-        c = m.cumsum(1, dtype=torch.int32)  # [B, Tm]: real tokens up to and including each position
-        last = c[:, -1:]  # [B, 1]
-        has_real = last[:, 0] > 0  # [B]
         tokens = cur.sum()
-        trailing = (~m[:, -1] & has_real).sum()
-        holes = (~m & (c > 0) & (c < last)).any(1).sum()
-        real_rows = has_real.sum()
-        real_after_first = cur & (c[:, -T:] > 1)  # [B, T]: a real token after the row's first real one
+        trailing = ends_in_padding(m).sum()
+        holes = has_holes(m).sum()
+        real_rows = m.any(1).sum()
     else:
         tokens = torch.full((), B * T, dtype=torch.int64, device=device)  # a fill kernel: no host-to-device copy
         trailing = holes = torch.zeros((), dtype=torch.int64, device=device)
         real_rows = torch.full((), B, dtype=torch.int64, device=device)
     if position_ids is not None and T > 1:
-        if real_after_first is None:
-            restarts = (position_ids[:, 1:] == 0).sum()  # a 0 after a row's first token starts a new sequence
-        else:
-            # only real tokens count, and not a row's first real token: generate() puts pads at 1 and the first
-            # real token at 0 (no packing), while packed sequences followed by pads restart at real tokens
-            restarts = ((position_ids == 0) & real_after_first.to(position_ids.device)).sum()
+        # only real tokens count, and not a row's first real token of this call: generate() puts pads at 1 and the
+        # first real token at 0 (no packing), while packed sequences followed by pads restart at real tokens
+        restarts = restarts_at_real_tokens(position_ids, cur).sum()
     else:
         restarts = torch.zeros((), dtype=torch.int64, device=tokens.device)
     if seq_idx is not None and T > 1:
-        changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).sum()
+        changes = change_points(seq_idx).sum()
     else:
         changes = torch.zeros((), dtype=torch.int64, device=tokens.device)
     if n_cu is not None:
@@ -571,7 +568,7 @@ def _family(info: SSMInfo | None) -> str:
 
 def _right_padding_message(mask: Tensor, reason: str, info: SSMInfo | None) -> str:
     m = mask != 0  # [B, Tm]
-    rows = (~m[:, -1] & m.any(1)).nonzero().flatten().tolist()
+    rows = ends_in_padding(m).nonzero().flatten().tolist()
     row = rows[0]
     last_real = int(m[row].nonzero().max())
     pads = m.shape[1] - 1 - last_real

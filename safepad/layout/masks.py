@@ -20,6 +20,7 @@ __all__ = [
     "check_mask_values",
     "normalize_mask",
     "trailing_pad_counts",
+    "ends_in_padding",
     "has_holes",
     "is_right_padded",
     "pads_before_real",
@@ -60,6 +61,13 @@ def trailing_pad_counts(mask: Tensor) -> Tensor:
     pos = torch.arange(1, T + 1, device=m.device)  # [T]
     last_real = (m * pos).amax(dim=1)  # [B]; 0 for an all-pad row
     return T - last_real
+
+
+def ends_in_padding(mask: Tensor) -> Tensor:
+    """``[B]`` bool on the device: the row of ``mask`` ``[B, T]`` has real tokens and ends in a pad (right padding,
+    with or without holes or left pads before it). No host read: eager and traced callers share it."""
+    m = mask.to(torch.bool)
+    return ~m[:, -1] & m.any(1)
 
 
 def has_holes(mask: Tensor) -> Tensor:

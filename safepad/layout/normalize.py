@@ -56,10 +56,14 @@ def change_points(seq_idx: Tensor, real: Tensor | None = None) -> Tensor:
     return change if real is None else change & real.to(change.device)
 
 
-def restarts_at_real_tokens(position_ids: Tensor, mask: Tensor) -> Tensor:
+def restarts_at_real_tokens(position_ids: Tensor, mask: Tensor | None) -> Tensor:
     """``[B, T]`` bool: a 0 in ``position_ids`` ``[B, T]`` at a real token after the row's first real one (a packed
-    sequence starts there). ``mask`` ``[B, T]``: 1 = real token. ``generate()``'s ids (pads at 1, real tokens from 0)
-    hold no such restart."""
+    sequence starts there). ``mask`` ``[B, T]``: 1 = real token (``None``: every token is real, so a 0 anywhere
+    after a row's first token). ``generate()``'s ids (pads at 1, real tokens from 0) hold no such restart."""
+    if mask is None:
+        restarts = position_ids == 0
+        restarts[:, :1] = False
+        return restarts
     m = mask.to(device=position_ids.device, dtype=torch.bool)
     return (position_ids == 0) & m & (m.cumsum(1) > 1)
 
