@@ -455,13 +455,16 @@ class GuardHandle:
         """
         kind_names = tuple(kind for kind, _ in found)
         kinds = ", ".join(kind_names)
+
+        def refused(why: str) -> PaddingError:
+            """``why`` the call cannot be fixed, followed by what the guard detected."""
+            return PaddingError(why + "\n" + "\n".join(msg for _, msg in found), kinds=kind_names)
+
         try:
             wrap_module = _wrap_api(required=True)
         except ImportError as exc:
-            raise PaddingError(
-                f"mode='fix' needs safepad.wrap, which cannot be imported ({exc}); detected: {kinds}.\n"
-                + "\n".join(msg for _, msg in found),
-                kinds=kind_names,
+            raise refused(
+                f"mode='fix' needs safepad.wrap, which cannot be imported ({exc}); detected: {kinds}."
             ) from exc
         model = self.model
         cls, forward = type(model), model.__dict__.get("forward")
@@ -469,10 +472,8 @@ class GuardHandle:
         try:
             result = wrap_module.wrap(model)
         except UnsupportedModelError as exc:
-            raise PaddingError(
-                f"mode='fix': safepad.wrap cannot fix this model ({exc}), so this forward would be wrong.\n"
-                + "\n".join(msg for _, msg in found),
-                kinds=kind_names,
+            raise refused(
+                f"mode='fix': safepad.wrap cannot fix this model ({exc}), so this forward would be wrong."
             ) from exc
         if result is not model or type(model) is not cls or model.__dict__.get("forward") is not forward:
             raise PaddingError(
@@ -483,10 +484,9 @@ class GuardHandle:
         self._wrap_module = wrap_module
         if not self.is_wrapped():
             left = sorted({type(m).__name__ for m in self._mixers if not wrap_module.is_wrapped(m)})
-            raise PaddingError(
+            raise refused(
                 f"mode='fix': safepad.wrap left these recurrent mixers unpatched: {', '.join(left)}; they would "
-                "still compute this forward wrong.\n" + "\n".join(msg for _, msg in found),
-                kinds=kind_names,
+                "still compute this forward wrong."
             )
         for hook_id, hook in list(model._forward_pre_hooks.items()):
             if hook_id in hooks_before:
