@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from .cache import CACHE_NAMES
 from .errors import PaddingError, PaddingWarning, UnsupportedModelError
 from .layout.boundaries import packing_positions
-from .layout.masks import ends_in_padding, has_holes
+from .layout.masks import ends_in_padding, has_holes, hole_positions
 from .layout.normalize import change_points, restarts_at_real_tokens
 
 logger = logging.getLogger(__name__)
@@ -595,10 +595,8 @@ def _packed_message(
         first = int(change[row].nonzero()[0]) + 1
         where = f"row {row} holds {n_seq} sequences (seq_idx; the first boundary is at token {first})"
     elif source == "position_ids" and position_ids is not None:
-        restart = position_ids[:, 1:] == 0  # [B, T-1]
-        if mask is not None:
-            m = (mask != 0)[:, -position_ids.shape[1]:]  # [B, T]
-            restart = restart & m[:, 1:] & (m.cumsum(1)[:, 1:] > 1)  # real tokens after the row's first one
+        m = None if mask is None else (mask != 0)[:, -position_ids.shape[1] :]  # [B, T]
+        restart = restarts_at_real_tokens(position_ids, m)[:, 1:]  # [B, T-1] (as _summarize counts them)
         row = int(restart.any(1).nonzero()[0])
         n_seq = int(restart[row].sum()) + 1
         first = int(restart[row].nonzero()[0]) + 1
@@ -615,8 +613,7 @@ def _packed_message(
 
 def _holes_message(mask: Tensor, info: SSMInfo | None) -> str:
     m = mask != 0  # [B, Tm]
-    c = m.cumsum(1)  # [B, Tm]
-    hole = ~m & (c > 0) & (c < c[:, -1:])  # [B, Tm]
+    hole = hole_positions(m)  # [B, Tm]
     rows = hole.any(1).nonzero().flatten().tolist()
     row = rows[0]
     first = int(hole[row].nonzero()[0])

@@ -103,11 +103,10 @@ def _packed_positions(
     ``T > 1`` (a row of one sequence gives the same result through the varlen path). With boundaries given by
     ``seq_idx`` / ``cu_seq_lens`` they are always read: positions that restart nowhere disagree with them.
     """
+    restarts = restarts_at_real_tokens(position_ids, None if padding_mask is None else padding_mask[:, -T:])  # [B, T]
     if padding_mask is None:
-        restarts = position_ids[:, 1:] == 0  # [B, T - 1]
         derive = seq_idx_from_position_ids
     else:
-        restarts = restarts_at_real_tokens(position_ids, padding_mask[:, -T:])  # [B, T]
         derive = lambda _: restarts.cumsum(1).to(torch.int32)  # noqa: E731  [B, T]; pads take their neighbours' ids
     if not boundaries_given:
         if T < 2:  # one token: no restart after it

@@ -35,6 +35,7 @@ from ..cache import (
     recurrent_only,
     track_seq_length,
 )
+from ..layout.masks import pads_after_real
 from ..layout.slots import pads_first_order
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def _refuse_built_mask_on_right_pads(model: Any, mask: Any, built: Any) -> None:
     if isinstance(built, Tensor) and built.dim() == 2:
         return
     m = mask.to(bool)
-    if m.shape[1] > 1 and bool((~m[:, 1:] & m[:, :-1]).any()):
+    if bool(pads_after_real(m).any()):
         raise ValueError(
             f"{type(model).__name__}.generate: the prompt has padding after real tokens (right padding), and with "
             "a static / compileable cache generate() builds the attention mask itself, so safepad cannot keep the "
@@ -312,7 +313,7 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     if not _compiles(model, kwargs, cache_from_kwargs(kwargs)[1]):
         return args, kwargs, None
     m = mask.to(torch.bool)  # [B, L]
-    if not bool((m[:, :-1] & ~m[:, 1:]).any()):  # one host read: no pad after a real token anywhere
+    if not bool(pads_after_real(m).any()):  # one host read: no pad after a real token anywhere
         return args, kwargs, None
     B, L = m.shape
     order = pads_first_order(m)  # [B, L]
