@@ -43,6 +43,8 @@ from torch import Tensor, nn
 from .cache import CACHE_NAMES
 from .errors import PaddingError, PaddingWarning, UnsupportedModelError
 from .layout.boundaries import packing_positions
+from .layout.masks import ends_in_padding, has_holes, hole_positions
+from .layout.normalize import change_points, restarts_at_real_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -453,13 +455,16 @@ class GuardHandle:
         """
         kind_names = tuple(kind for kind, _ in found)
         kinds = ", ".join(kind_names)
+
+        def refused(why: str) -> PaddingError:
+            """``why`` the call cannot be fixed, followed by what the guard detected."""
+            return PaddingError(why + "\n" + "\n".join(msg for _, msg in found), kinds=kind_names)
+
         try:
             wrap_module = _wrap_api(required=True)
         except ImportError as exc:
-            raise PaddingError(
-                f"mode='fix' needs safepad.wrap, which cannot be imported ({exc}); detected: {kinds}.\n"
-                + "\n".join(msg for _, msg in found),
-                kinds=kind_names,
+            raise refused(
+                f"mode='fix' needs safepad.wrap, which cannot be imported ({exc}); detected: {kinds}."
             ) from exc
         model = self.model
         cls, forward = type(model), model.__dict__.get("forward")
@@ -467,10 +472,8 @@ class GuardHandle:
         try:
             result = wrap_module.wrap(model)
         except UnsupportedModelError as exc:
-            raise PaddingError(
-                f"mode='fix': safepad.wrap cannot fix this model ({exc}), so this forward would be wrong.\n"
-                + "\n".join(msg for _, msg in found),
-                kinds=kind_names,
+            raise refused(
+                f"mode='fix': safepad.wrap cannot fix this model ({exc}), so this forward would be wrong."
             ) from exc
         if result is not model or type(model) is not cls or model.__dict__.get("forward") is not forward:
             raise PaddingError(
@@ -481,10 +484,9 @@ class GuardHandle:
         self._wrap_module = wrap_module
         if not self.is_wrapped():
             left = sorted({type(m).__name__ for m in self._mixers if not wrap_module.is_wrapped(m)})
-            raise PaddingError(
+            raise refused(
                 f"mode='fix': safepad.wrap left these recurrent mixers unpatched: {', '.join(left)}; they would "
-                "still compute this forward wrong.\n" + "\n".join(msg for _, msg in found),
-                kinds=kind_names,
+                "still compute this forward wrong."
             )
         for hook_id, hook in list(model._forward_pre_hooks.items()):
             if hook_id in hooks_before:
@@ -518,35 +520,30 @@ def _summarize(
 
     Entries: real tokens of this call, right-padded rows, rows with holes, sequences (non-empty rows, or
     packed sequences from ``n_cu`` / ``seq_idx`` / ``position_ids``), position restarts (with a mask: at real
-    tokens after each row's first real one), ``seq_idx`` changes.
+    tokens after each row's first real one in this call), ``seq_idx`` changes. Every entry is counted from the
+    predicates wrap decides with (:mod:`safepad.layout`), stacked here so the guard reads them in one sync.
     """
-    real_after_first = None
+    # the classification is wrap's own (safepad.layout predicates, device tensors), so the two cannot disagree
+    cur = None
     if mask is not None:
         m = mask != 0  # [B, Tm]; Tm = past + T during decode
         cur = m[:, -T:]  # [B, T]: the columns of this call's tokens
-        c = m.cumsum(1, dtype=torch.int32)  # [B, Tm]: real tokens up to and including each position
-        last = c[:, -1:]  # [B, 1]
-        has_real = last[:, 0] > 0  # [B]
         tokens = cur.sum()
-        trailing = (~m[:, -1] & has_real).sum()
-        holes = (~m & (c > 0) & (c < last)).any(1).sum()
-        real_rows = has_real.sum()
-        real_after_first = cur & (c[:, -T:] > 1)  # [B, T]: a real token after the row's first real one
+        trailing = ends_in_padding(m).sum()
+        holes = has_holes(m).sum()
+        real_rows = m.any(1).sum()
     else:
         tokens = torch.full((), B * T, dtype=torch.int64, device=device)  # a fill kernel: no host-to-device copy
         trailing = holes = torch.zeros((), dtype=torch.int64, device=device)
         real_rows = torch.full((), B, dtype=torch.int64, device=device)
     if position_ids is not None and T > 1:
-        if real_after_first is None:
-            restarts = (position_ids[:, 1:] == 0).sum()  # a 0 after a row's first token starts a new sequence
-        else:
-            # only real tokens count, and not a row's first real token: generate() puts pads at 1 and the first
-            # real token at 0 (no packing), while packed sequences followed by pads restart at real tokens
-            restarts = ((position_ids == 0) & real_after_first.to(position_ids.device)).sum()
+        # only real tokens count, and not a row's first real token of this call: generate() puts pads at 1 and the
+        # first real token at 0 (no packing), while packed sequences followed by pads restart at real tokens
+        restarts = restarts_at_real_tokens(position_ids, cur).sum()
     else:
         restarts = torch.zeros((), dtype=torch.int64, device=tokens.device)
     if seq_idx is not None and T > 1:
-        changes = (seq_idx[:, 1:] != seq_idx[:, :-1]).sum()
+        changes = change_points(seq_idx).sum()
     else:
         changes = torch.zeros((), dtype=torch.int64, device=tokens.device)
     if n_cu is not None:
@@ -571,7 +568,7 @@ def _family(info: SSMInfo | None) -> str:
 
 def _right_padding_message(mask: Tensor, reason: str, info: SSMInfo | None) -> str:
     m = mask != 0  # [B, Tm]
-    rows = (~m[:, -1] & m.any(1)).nonzero().flatten().tolist()
+    rows = ends_in_padding(m).nonzero().flatten().tolist()
     row = rows[0]
     last_real = int(m[row].nonzero().max())
     pads = m.shape[1] - 1 - last_real
@@ -598,10 +595,8 @@ def _packed_message(
         first = int(change[row].nonzero()[0]) + 1
         where = f"row {row} holds {n_seq} sequences (seq_idx; the first boundary is at token {first})"
     elif source == "position_ids" and position_ids is not None:
-        restart = position_ids[:, 1:] == 0  # [B, T-1]
-        if mask is not None:
-            m = (mask != 0)[:, -position_ids.shape[1]:]  # [B, T]
-            restart = restart & m[:, 1:] & (m.cumsum(1)[:, 1:] > 1)  # real tokens after the row's first one
+        m = None if mask is None else (mask != 0)[:, -position_ids.shape[1] :]  # [B, T]
+        restart = restarts_at_real_tokens(position_ids, m)[:, 1:]  # [B, T-1] (as _summarize counts them)
         row = int(restart.any(1).nonzero()[0])
         n_seq = int(restart[row].sum()) + 1
         first = int(restart[row].nonzero()[0]) + 1
@@ -618,8 +613,7 @@ def _packed_message(
 
 def _holes_message(mask: Tensor, info: SSMInfo | None) -> str:
     m = mask != 0  # [B, Tm]
-    c = m.cumsum(1)  # [B, Tm]
-    hole = ~m & (c > 0) & (c < c[:, -1:])  # [B, Tm]
+    hole = hole_positions(m)  # [B, Tm]
     rows = hole.any(1).nonzero().flatten().tolist()
     row = rows[0]
     first = int(hole[row].nonzero()[0])

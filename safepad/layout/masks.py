@@ -20,8 +20,11 @@ __all__ = [
     "check_mask_values",
     "normalize_mask",
     "trailing_pad_counts",
+    "ends_in_padding",
     "has_holes",
+    "hole_positions",
     "is_right_padded",
+    "pads_after_real",
     "pads_before_real",
     "Compaction",
 ]
@@ -62,15 +65,32 @@ def trailing_pad_counts(mask: Tensor) -> Tensor:
     return T - last_real
 
 
+def ends_in_padding(mask: Tensor) -> Tensor:
+    """``[B]`` bool on the device: the row of ``mask`` ``[B, T]`` has real tokens and ends in a pad (right padding,
+    with or without holes or left pads before it). No host read: eager and traced callers share it."""
+    m = mask.to(torch.bool)
+    return ~m[:, -1] & m.any(1)
+
+
+def hole_positions(mask: Tensor) -> Tensor:
+    """``[B, T]`` bool on the device: the pads of ``mask`` ``[B, T]`` that sit between two real tokens of their row."""
+    m = mask.to(torch.bool)
+    c = m.cumsum(1)  # [B, T]: real tokens up to and including each position
+    return ~m & (c > 0) & (c < c[:, -1:])
+
+
 def has_holes(mask: Tensor) -> Tensor:
     """Per row: is there a pad between two real tokens?  ``[B]`` bool."""
+    return hole_positions(mask).any(1)
+
+
+def pads_after_real(mask: Tensor) -> Tensor:
+    """``[B]`` bool on the device: the row of ``mask`` ``[B, T]`` has a pad right after a real token (right padding
+    or holes), i.e. it is not left-padded. No host read: eager and traced callers share it."""
     m = mask.to(torch.bool)
-    T = m.shape[1]
-    pos = torch.arange(T, device=m.device)  # [T]
-    first_real = torch.where(m, pos, torch.full_like(pos, T)).amin(dim=1)  # [B]
-    last_real = torch.where(m, pos, torch.full_like(pos, -1)).amax(dim=1)  # [B]
-    n_real = m.sum(dim=1)  # [B]
-    return (n_real > 0) & ((last_real - first_real + 1) != n_real)
+    if m.shape[1] < 2:
+        return torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+    return (m[:, :-1] & ~m[:, 1:]).any(1)
 
 
 def pads_before_real(mask: Tensor) -> Tensor:

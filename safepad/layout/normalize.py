@@ -56,10 +56,14 @@ def change_points(seq_idx: Tensor, real: Tensor | None = None) -> Tensor:
     return change if real is None else change & real.to(change.device)
 
 
-def restarts_at_real_tokens(position_ids: Tensor, mask: Tensor) -> Tensor:
+def restarts_at_real_tokens(position_ids: Tensor, mask: Tensor | None) -> Tensor:
     """``[B, T]`` bool: a 0 in ``position_ids`` ``[B, T]`` at a real token after the row's first real one (a packed
-    sequence starts there). ``mask`` ``[B, T]``: 1 = real token. ``generate()``'s ids (pads at 1, real tokens from 0)
-    hold no such restart."""
+    sequence starts there). ``mask`` ``[B, T]``: 1 = real token (``None``: every token is real, so a 0 anywhere
+    after a row's first token). ``generate()``'s ids (pads at 1, real tokens from 0) hold no such restart."""
+    if mask is None:
+        restarts = position_ids == 0
+        restarts[:, :1] = False
+        return restarts
     m = mask.to(device=position_ids.device, dtype=torch.bool)
     return (position_ids == 0) & m & (m.cumsum(1) > 1)
 
@@ -99,11 +103,10 @@ def _packed_positions(
     ``T > 1`` (a row of one sequence gives the same result through the varlen path). With boundaries given by
     ``seq_idx`` / ``cu_seq_lens`` they are always read: positions that restart nowhere disagree with them.
     """
+    restarts = restarts_at_real_tokens(position_ids, None if padding_mask is None else padding_mask[:, -T:])  # [B, T]
     if padding_mask is None:
-        restarts = position_ids[:, 1:] == 0  # [B, T - 1]
         derive = seq_idx_from_position_ids
     else:
-        restarts = restarts_at_real_tokens(position_ids, padding_mask[:, -T:])  # [B, T]
         derive = lambda _: restarts.cumsum(1).to(torch.int32)  # noqa: E731  [B, T]; pads take their neighbours' ids
     if not boundaries_given:
         if T < 2:  # one token: no restart after it

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.dynamic_conv import dynamic_causal_conv1d
-from ..layout.masks import normalize_mask
+from ..layout.masks import normalize_mask, pads_after_real
 from .common import cached_conv, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 __all__ = ["attention_conv_forward"]
@@ -49,7 +49,7 @@ def _only_left_pads(conv_mask: Tensor | None, shape) -> bool:
     m = normalize_mask(conv_mask, tuple(shape))
     if m is None:
         return True
-    return not bool((~m[:, 1:] & m[:, :-1]).any())  # no real -> pad step anywhere
+    return not bool(pads_after_real(m).any())  # no real -> pad step anywhere
 
 
 def attention_conv_forward(

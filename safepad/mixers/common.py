@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules import module as mod
 
-from .._tracing import device_check, tracing
+from .._tracing import require, tracing
 from ..cache import CACHE_NAMES
 from ..context import context_decode_mask, context_token_mask, current_context, resolve_seq_idx
 from ..parallel.context import SPContext, resolve_sp
@@ -93,11 +93,7 @@ def prepare_layout(
         step = context_decode_mask((B, T))
         if step is not None:
             attention_mask = step
-    if tracing():
-        mask, compaction, right_padded = _analyse_mask_traced(attention_mask, (B, T))
-    else:
-        mask, compaction = _analyse_mask(attention_mask, (B, T))
-        right_padded = None
+    mask, compaction, right_padded = _analyse_mask(attention_mask, (B, T))
     if seq_idx is not None and cache is not None:
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a packed row holds several "
@@ -109,11 +105,10 @@ def prepare_layout(
             "packed boundaries (seq_idx / cu_seq_lens / position_ids) came together with an attention_mask that "
             "has zeros; describe padding either as its own segment in the packed row or with a mask, not both"
         )
-        if not tracing():
-            raise ValueError(both)
-        # traced: the mask is kept whatever its values (no host read); a packed call's own mask was dropped by the
-        # model hook, so this is one the model built itself (glm5_next hands its mixers ones): all ones, checked
-        device_check(mask.all(), both)
+        # eager, a mask here has zeros (normalize_mask drops all-ones ones): this raises. Traced, the mask is kept
+        # whatever its values; a packed call's own mask was dropped by the model hook, so this is one the model
+        # built itself (glm5_next hands its mixers ones): all ones, checked on the device
+        require(mask.all(), both)
         mask = compaction = right_padded = None
     sp = resolve_sp(module, (B, T))
     if sp is not None and (cache is not None or mask is not None):
@@ -136,36 +131,34 @@ def layout_op(layout: Layout, fn):
     return sp_op(fn, layout.sp)
 
 
-def _analyse_mask(attention_mask: Tensor | None, shape: tuple[int, int]) -> tuple[Tensor | None, Compaction | None]:
-    """(bool mask ``[B, T]`` or None, compaction or None) of one call's mask.
-
-    Every recurrent layer of a model call gets the same mask tensor; the analysis (host syncs, a sort for
-    compaction) runs once per call and is memoised in the call context, keyed by the tensor object.
-    """
-    ctx = current_context()
-    key = (id(attention_mask), tuple(shape))
-    if ctx is not None and attention_mask is not None:
-        hit = ctx.layouts.get(key)
-        if hit is not None and hit[0] is attention_mask:
-            return hit[1], hit[2]
-    mask = normalize_mask(attention_mask, shape)
-    compaction = Compaction.from_mask(mask) if mask is not None and not is_right_padded(mask) else None
-    if ctx is not None and attention_mask is not None:
-        ctx.layouts[key] = (attention_mask, mask, compaction)  # holding the tensor keeps its id unique
-    return mask, compaction
-
-
-def _analyse_mask_traced(
+def _analyse_mask(
     attention_mask: Tensor | None, shape: tuple[int, int]
 ) -> tuple[Tensor | None, Compaction | None, Tensor | None]:
-    """:func:`_analyse_mask` without host syncs: any 2-D mask is kept (all ones: every token is real, the same
-    result as none) and compacted (a right-padded mask: the identity). Returns ``(mask, compaction,
-    right_padded [] bool)``; all ``None`` without a 2-D mask."""
+    """``(mask, compaction, right_padded)`` of one call's mask: the bool mask ``[B, T]`` or None, the compaction or
+    None, and (traced only) ``[]`` bool whether the mask was right-padded already. One body for eager and traced calls.
+
+    Eager, an all-ones mask gives ``None`` and a right-padded one no compaction (one host read of
+    :func:`~safepad.layout.masks.pads_before_real`). Every recurrent layer of a model call gets the same mask
+    tensor, so the analysis (that host read, a sort for compaction) runs once per call, memoised in the call context
+    and keyed by the tensor object. Traced (no host read): any 2-D mask is kept (all ones: every token is real, the
+    same result as none) and compacted (a right-padded mask: the identity, which ``right_padded`` marks).
+    """
+    traced = tracing()
+    ctx = None if traced or attention_mask is None else current_context()  # the memo: eager only
+    key = None if ctx is None else (id(attention_mask), tuple(shape))
+    if ctx is not None:
+        hit = ctx.layouts.get(key)
+        if hit is not None and hit[0] is attention_mask:
+            return hit[1], hit[2], None
     mask = normalize_mask(attention_mask, shape)
-    if mask is None:
-        return None, None, None
-    right_padded = ~pads_before_real(mask).any()  # [] bool
-    return mask, Compaction.from_mask(mask), right_padded
+    if traced:
+        if mask is None:
+            return None, None, None
+        return mask, Compaction.from_mask(mask), ~pads_before_real(mask).any()  # right_padded: [] bool
+    compaction = Compaction.from_mask(mask) if mask is not None and not is_right_padded(mask) else None
+    if ctx is not None:
+        ctx.layouts[key] = (attention_mask, mask, compaction)  # holding the tensor keeps its id unique
+    return mask, compaction, None
 
 
 def cached_conv(

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from safepad._tracing import device_check, tracing
+from safepad._tracing import require
 from safepad.layout.boundaries import known_multi_sequence, validate_seq_idx
 from safepad.layout.facts import fact
 from safepad.ops import kernels
@@ -240,10 +240,8 @@ def _check_A(A: object, Dm: int) -> Tensor:
     if not A.is_floating_point():
         raise ValueError(f"A must be a floating-point tensor, got {A.dtype}")
     message = "A must be non-positive (A = -exp(A_log)); a positive A makes the recurrence blow up"
-    if A.numel() and tracing():
-        device_check(~(A > 0).any(), message)
-    elif A.numel() and not fact(A, "nonpositive", False) and bool((A > 0).any()):
-        raise ValueError(message)
+    if A.numel() and not fact(A, "nonpositive", False):  # a recorded fact skips the host read (none while tracing)
+        require(~(A > 0).any(), message)
     return A
 
 
@@ -331,10 +329,7 @@ def check_selective_scan_args(
             message = "token_mask must be boolean (or 0/1 integers): True marks a real token"
             if token_mask.is_floating_point():
                 raise ValueError(message)
-            if tracing():
-                device_check(((token_mask == 0) | (token_mask == 1)).all(), message)
-            elif bool(((token_mask != 0) & (token_mask != 1)).any()):
-                raise ValueError(message)
+            require(((token_mask == 0) | (token_mask == 1)).all(), message)
             token_mask = token_mask.bool()
 
     return SelectiveScanArgs(Bsz, T, Dm, N, A, seq_idx, token_mask)

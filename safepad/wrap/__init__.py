@@ -7,6 +7,7 @@ One generic patcher plus one model-level hook, one concern per file:
 * :mod:`.hooks`: the model pre-/post-hooks, which decide each call's boundaries, masks and cache policy once;
 * :mod:`.checkpoint`: checkpointed layers recompute under their forward's call context;
 * :mod:`.frames`: the enclosing-call stack walk and ``generate()`` detection;
+* :mod:`.generate`: the wrapped ``generate`` / ``prepare_inputs_for_generation`` (right-padded prompts, continued caches);
 * :mod:`.slot_calls`: slot-justified cached calls (every cached row kept ``[pads | real tokens]``, positions);
 * :mod:`.attention_masks`: block-diagonal masks for packed hybrids whose mask construction ignores packing.
 """

@@ -31,8 +31,6 @@ from .._tracing import device_check, require, tracing
 from ..cache import (
     CACHE_NAMES,
     CachePreHook,
-    SafepadGenerate,
-    SafepadPrepareInputs,
     cache_argument,
     cache_from_kwargs,
     cache_post_hook,
@@ -53,6 +51,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
+from .generate import SafepadGenerate, SafepadPrepareInputs
 from .slot_calls import _mrope, check_traced_cache, counts_slots, slot_justify, slot_restore
 
 __all__ = ["REAL_TOKEN_MASK", "install_model_hooks"]

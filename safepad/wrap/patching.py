@@ -17,13 +17,13 @@ from torch import nn
 
 from .. import specs as _specs  # noqa: F401 - registers the family specs
 from .._state import module_state
-from ..cache import SafepadGenerate, SafepadPrepareInputs
 from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
 from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 from ..specs.unsupported import unsupported_reason
 from .attention import restore_sdpa, use_upcast_sdpa
 from .checkpoint import _CheckpointWithContext
+from .generate import SafepadGenerate, SafepadPrepareInputs
 from .hooks import install_model_hooks
 
 logger = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ def test_wrapped_generate_does_not_advise_left_padding(family, records):
 
 def test_the_filter_passes_other_records(records):
     """Inside a wrapped generate, only the right-padding advice is dropped."""
-    from safepad.cache import _IN_WRAPPED_GENERATE, _quiet_right_padding_warning
+    from safepad.wrap.generate import _IN_WRAPPED_GENERATE, _quiet_right_padding_warning
 
     token = _quiet_right_padding_warning()
     try:
