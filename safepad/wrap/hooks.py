@@ -39,7 +39,6 @@ from ..cache import (
     cache_from_kwargs,
     cache_post_hook,
     forget_read,
-    fresh_cache_is_recurrent_only,
     needs_token_count,
 )
 from ..context import CallContext, current_context, enter_call, exit_call
@@ -63,11 +62,17 @@ __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 REAL_TOKEN_MASK = "real_token_mask"
 
 
-def install_model_hooks(model: nn.Module) -> None:
+def _pretrained_model_class() -> type | tuple:
+    """transformers' ``PreTrainedModel`` (for ``isinstance``), or ``()`` (matching nothing) without transformers."""
     try:
         from transformers import PreTrainedModel
     except Exception:  # noqa: BLE001
-        PreTrainedModel = ()  # type: ignore[assignment]
+        return ()
+    return PreTrainedModel
+
+
+def install_model_hooks(model: nn.Module) -> None:
+    PreTrainedModel = _pretrained_model_class()
     targets = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
     for target in targets:
         if hooked(target):
@@ -135,10 +140,7 @@ class ModelPlan:
 
 def plan_for(target: nn.Module, specs: list) -> ModelPlan:
     """The :class:`ModelPlan` of ``target``, a model holding mixers patched after ``specs`` (their ``MixerSpec``)."""
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # noqa: BLE001
-        PreTrainedModel = ()  # type: ignore[assignment]
+    PreTrainedModel = _pretrained_model_class()
     params = inspect.signature(target.forward).parameters
     rows = next((s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None)
     return ModelPlan(
