@@ -71,3 +71,23 @@ def test_static_cache_per_layer_masks_left_padded_equal_alone(family: str, compi
         got = torch.cat([prefill.logits[i, L - len(r) :], step.logits[i]])  # [n + 1, V]
         err = (got - alone).abs().max().item()
         assert err < TOL, (i, err)
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="compiled-object")])
+@pytest.mark.parametrize("family", [family_param("mamba2")])
+@torch.no_grad()
+def test_additive_mask_refused_eager_and_traced(family: str, compiled: bool):
+    """A float additive mask (0 keep, -1e9 pad) reads as "every token real but the zeros" under transformers' 2-D
+    convention: refused by the one hook body, eagerly (``ValueError``) and traced (``RuntimeError`` from the device),
+    with the same message. (The traced hook used to skip the check and return the wrong rows.)"""
+    model = safepad.wrap(tiny_model(family), backend="torch").eval()
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(1))
+    additive = torch.zeros(2, 6)
+    additive[1, 4:] = -1e9  # row 1: two right pads
+    dynamo.reset()
+    call = torch.compile(model, backend="eager") if compiled else model
+    try:
+        with pytest.raises(RuntimeError if compiled else ValueError, match="An additive mask"):
+            call(input_ids=ids, attention_mask=additive, use_cache=False)
+    finally:
+        dynamo.reset()
