@@ -21,6 +21,8 @@ families drop ``**kwargs`` before their mixers. On packed calls it also:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,7 +37,6 @@ from ..cache import (
     cache_from_kwargs,
     cache_post_hook,
     forget_read,
-    fresh_cache_is_recurrent_only,
     needs_token_count,
 )
 from ..context import CallContext, current_context, enter_call, exit_call
@@ -50,21 +51,27 @@ from ..layout.normalize import (
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
-from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
+from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadGenerate, SafepadPrepareInputs
 from .slot_calls import _mrope, check_traced_cache, counts_slots, slot_justify, slot_restore
 
-__all__ = ["REAL_TOKEN_MASK", "install_model_hooks"]
+__all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
 #: Batch key of ``DataCollatorForPackedSSM``'s ``[B, T]`` real-token mask (0 on the pad tail); consumed here.
 REAL_TOKEN_MASK = "real_token_mask"
 
 
-def install_model_hooks(model: nn.Module) -> None:
+def _pretrained_model_class() -> type | tuple:
+    """transformers' ``PreTrainedModel`` (for ``isinstance``), or ``()`` (matching nothing) without transformers."""
     try:
         from transformers import PreTrainedModel
     except Exception:  # noqa: BLE001
-        PreTrainedModel = ()  # type: ignore[assignment]
+        return ()
+    return PreTrainedModel
+
+
+def install_model_hooks(model: nn.Module) -> None:
+    PreTrainedModel = _pretrained_model_class()
     targets = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
     for target in targets:
         if hooked(target):
@@ -72,34 +79,9 @@ def install_model_hooks(model: nn.Module) -> None:
         specs = [m._safepad_spec for m in target.modules() if getattr(m, "_safepad_spec", None) is not None]
         if not specs:
             continue
-        params = inspect.signature(target.forward).parameters
-        info = {
-            "accepts_position_ids": "position_ids" in params,
-            "var_kwargs": any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()),
-            "params": tuple(params),
-            "hybrid": any(s.hybrid for s in specs),
-            "packed_attention_mask": tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
-            # a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
-            "slot_checks": tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
-            # attention that counts cache slots (sliding windows, slot-relative positions, selected key slots):
-            # its one-token steps always go through slot justification (safepad.wrap.slot_calls)
-            "slot_sensitive": counts_slots(target, specs),
-            # text models that read row 0 of [R, B, T] position_ids as their text positions, for these R
-            # (Qwen3.5: 4; Qwen4-Exp: 4 and 1); None: the model reads [B, T] position_ids only
-            "text_position_rows": next(
-                (s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None
-            ),
-            # a spec whose attention reads slot distances: calls without a cache on rows with holes are re-laid too
-            "slot_distances": any(s.options.get("slot_distances", False) for s in specs),
-            # modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
-            "checkpointed": [m for m in target.modules() if hasattr(m, "gradient_checkpointing")],
-            # a top-level forward that gives its attention_mask to the router loss and passes it on to a hooked inner
-            # model (which drops it on packed calls): it gets the real-token mask of a packed call
-            "router_loss_mask": any(s.options.get("router_loss_mask", False) for s in specs)
-            and any(m is not target and isinstance(m, PreTrainedModel) for m in target.modules()),
-        }
+        plan = plan_for(target, specs)
         state = module_state(target)
-        pre = target.register_forward_pre_hook(_ModelPreHook(info), with_kwargs=True)
+        pre = target.register_forward_pre_hook(_ModelPreHook(plan), with_kwargs=True)
         post = target.register_forward_hook(_post_hook, always_call=True)
         state.hook_handles = [pre, post]
         # a cache without attention layers cannot tell its length in transformers: safepad counts it
@@ -121,6 +103,61 @@ def install_model_hooks(model: nn.Module) -> None:
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
 
 
+@dataclass(frozen=True, eq=False)
+class ModelPlan:
+    """What the model hooks of one wrapped model need to know about it, decided once at wrap time (:func:`plan_for`).
+
+    Read by attribute in the pre-hook and in :mod:`safepad.wrap.slot_calls`; frozen, so a call cannot change it.
+    """
+
+    #: the names of the model forward's parameters, in order (positional arguments are matched to them)
+    params: tuple[str, ...]
+    #: the forward takes ``position_ids``
+    accepts_position_ids: bool
+    #: the forward takes ``**kwargs``
+    var_kwargs: bool
+    #: some patched mixer sits in a hybrid (attention layers beside the recurrent ones)
+    hybrid: bool
+    #: the packed attention-mask kinds the specs ask for (:func:`safepad.wrap.attention_masks.packed_mask_mapping`)
+    packed_attention_mask: tuple[str, ...]
+    #: a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
+    slot_checks: tuple[Callable[..., Any], ...]
+    #: attention that counts cache slots (sliding windows, slot-relative positions, selected key slots): its
+    #: one-token steps always go through slot justification (:mod:`safepad.wrap.slot_calls`)
+    slot_sensitive: bool
+    #: text models that read row 0 of ``[R, B, T]`` position_ids as their text positions, for these R (Qwen3.5: 4;
+    #: Qwen4-Exp: 4 and 1); None: the model reads ``[B, T]`` position_ids only
+    text_position_rows: tuple[int, ...] | None
+    #: a spec whose attention reads slot distances: calls without a cache on rows with holes are re-laid too
+    slot_distances: bool
+    #: modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
+    checkpointed: tuple[nn.Module, ...]
+    #: a top-level forward that gives its attention_mask to the router loss and passes it on to a hooked inner
+    #: model (which drops it on packed calls): it gets the real-token mask of a packed call
+    router_loss_mask: bool
+
+
+def plan_for(target: nn.Module, specs: list) -> ModelPlan:
+    """The :class:`ModelPlan` of ``target``, a model holding mixers patched after ``specs`` (their ``MixerSpec``)."""
+    PreTrainedModel = _pretrained_model_class()
+    params = inspect.signature(target.forward).parameters
+    rows = next((s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None)
+    return ModelPlan(
+        params=tuple(params),
+        accepts_position_ids="position_ids" in params,
+        var_kwargs=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()),
+        hybrid=any(s.hybrid for s in specs),
+        packed_attention_mask=tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
+        slot_checks=tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
+        slot_sensitive=counts_slots(target, specs),
+        text_position_rows=rows,
+        slot_distances=any(s.options.get("slot_distances", False) for s in specs),
+        checkpointed=tuple(m for m in target.modules() if hasattr(m, "gradient_checkpointing")),
+        router_loss_mask=any(s.options.get("router_loss_mask", False) for s in specs)
+        and any(m is not target and isinstance(m, PreTrainedModel) for m in target.modules()),
+    )
+
+
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
     for n in names:
         v = kwargs.get(n)
@@ -135,15 +172,31 @@ def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...])
 class _ModelPreHook:
     """Forward pre-hook of a wrapped model: boundaries -> context, cache policy, attention boundaries.
 
+    One body for eager and traced calls (``torch.compile``): every check goes through
+    :func:`safepad._tracing.require` (eager: raised on the host; traced: checked on the device). The steps that need
+    the host are explicit ``if not tracing()`` branches: the cache's batch size and generate's record of it, slot
+    justification (:mod:`safepad.wrap.slot_calls`), whether an all-ones mask carries padding, and the boundaries of
+    the enclosing module call (:mod:`safepad.wrap.frames`). While tracing, every decision comes from what is static:
+
+    * given boundaries (``seq_idx`` / ``cu_seq_lens_*``, or 2-D ``position_ids`` without a 2-D mask) run the
+      varlen path, whether or not a row really holds several sequences (same result). A 2-D mask next to
+      ``seq_idx`` / ``cu_seq_lens`` must be right-padded (checked); its pads become a segment of their own and
+      it is dropped, as eager does for packed rows;
+    * an explicitly requested cache keeps the unpacked path and checks on the device that no row holds
+      several sequences (the eager error); without one the call runs with ``use_cache=False``;
+    * ``position_ids`` next to a 2-D mask are not read as packing; the device checks that they do not
+      restart at 0 after a row's first real token (eager would read them as packed rows);
+    * a 2-D mask on a one-token step always travels to the mixers (rows marked real are unaffected).
+
     A class (not a closure) so that a wrapped model can be pickled.
     """
 
-    def __init__(self, info: dict):
-        self.info = info
+    def __init__(self, plan: ModelPlan):
+        self.plan = plan
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        info = self.info
-        params = info["params"]
+        plan = self.plan
+        params = plan.params
         module._safepad.slot_calls.append(None)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
         real = kwargs.pop(REAL_TOKEN_MASK, None)
@@ -155,54 +208,78 @@ class _ModelPreHook:
             # outer compiled frame ran with, and comparing with them would specialise the sequence length
             if outer.seq_idx is not None and ids is not None and tuple(ids.shape[:2]) == tuple(outer.seq_idx.shape):
                 kwargs.pop("seq_idx", None)
-                self._packed_policy(module, kwargs, outer.seq_idx, ids, outer.source, nested=True)
+                self._packed_policy(module, kwargs, outer.seq_idx, ids)
                 module._safepad.tokens.append(None)
                 return args, kwargs
             module._safepad.tokens.append(None)
             return None
         if module.training:
-            hook_checkpoint_functions(info["checkpointed"])
+            hook_checkpoint_functions(plan.checkpointed)
         if ids is None or ids.dim() < 2:
             module._safepad.tokens.append(None)
             return None
+        traced = tracing()
         B, T = ids.shape[0], ids.shape[1]
-        if tracing():
-            return self._traced_call(module, args, kwargs, B, T, ids, real)
-        check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
-        forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
-        # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
-        args, kwargs = slot_justify(module, info, args, kwargs, B, T)
-        T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut (slot_calls)
-        record = module._safepad.slot_calls[-1]
-        token_mask = record.call.token_mask if record is not None and record.call is not None else None
+        token_mask = None
+        if traced:
+            check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced
+        else:
+            check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
+            forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
+            # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
+            args, kwargs = slot_justify(module, plan, args, kwargs, B, T)
+            T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
+            record = module._safepad.slot_calls[-1]
+            token_mask = record.call.token_mask if record is not None and record.call is not None else None
         mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
-        # a one-token step keeps its 2-D mask unread (no host sync; rows marked real are unaffected), as under compile
-        padding = isinstance(mask, torch.Tensor) and mask.dim() == 2 and (T == 1 or not bool(mask.all()))
+        mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        # eager only: an all-ones mask carries no padding (one host read); a one-token step keeps its 2-D mask unread
+        # (no host sync; rows marked real are unaffected), as a traced call keeps every 2-D mask
+        padding = mask2d and (traced or T == 1 or not bool(mask.all()))
         position_ids = kwargs.get("position_ids")
+        position_ids = position_ids if isinstance(position_ids, torch.Tensor) else None
+        explicit = any(isinstance(kwargs.get(k), torch.Tensor) for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
+        # traced: position_ids next to a 2-D mask are not read as packing (checked below)
+        positions_read = not (traced and mask2d and not explicit)
         seq_idx, source = normalize_boundaries(
             (B, T),
             seq_idx=kwargs.get("seq_idx"),
             cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
             cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-            position_ids=position_ids if isinstance(position_ids, torch.Tensor) else None,
+            position_ids=position_ids if positions_read else None,
             padding_mask=mask if padding else None,
         )
-        if source == "none":
+        if traced and not explicit and position_ids is None:
+            check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
+        elif not traced and source == "none":
             seq_idx, source = boundaries_of_enclosing_call(module, (B, T), position_ids, mask if padding else None)
         kwargs.pop("seq_idx", None)
-        if not info["var_kwargs"]:
+        if not plan.var_kwargs:
             for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
                 if k not in params:
                     kwargs.pop(k, None)
-        if seq_idx is not None:
+        cache_requested = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
+        if seq_idx is not None and cache_requested:
+            # eager: seq_idx holds several sequences in some row (raises); traced: checked on the device
+            _require_no_packed_cache(~multi_sequence(seq_idx), source)
+            seq_idx = None  # every row holds one sequence (checked): the unpacked path
+        elif seq_idx is not None:
             if padding:
                 seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
-            self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
+            self._packed_policy(module, kwargs, seq_idx, ids)
             self._router_loss_mask(module, kwargs, real, mask[:, -T:] if padding else None, (B, T))
-        decode_mask = None
-        if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            decode_mask = mask[:, -1:].to(torch.bool)  # [B, 1]: this step's token may be padding in some rows
+        elif not positions_read and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:
+            # traced only (eager read them above): position_ids [B, T] restarting at real tokens would be packing
+            require(
+                ~restarts_at_real_tokens(pos, mask[:, -T:]).any(),
+                "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
+                "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
+                "when they come with an attention_mask (or come without one)",
+            )
+        if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
+            _traced_cache_positions(module, plan, args, kwargs, T, mask if mask2d else None, ids)
+        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]: a pad step token
         padding_mask = mask if padding and seq_idx is None else None
         token = enter_call(
             CallContext(
@@ -213,89 +290,20 @@ class _ModelPreHook:
         module._safepad.tokens.append(token)
         return args, kwargs
 
-    def _traced_call(self, module: nn.Module, args: tuple, kwargs: dict, B: int, T: int, ids: torch.Tensor, real=None):
-        """The pre-hook while dynamo traces the call: every decision from what is static, checks on the device.
-
-        * given boundaries (``seq_idx`` / ``cu_seq_lens_*``, or 2-D ``position_ids`` without a 2-D mask) run the
-          varlen path, whether or not a row really holds several sequences (same result). A 2-D mask next to
-          ``seq_idx`` / ``cu_seq_lens`` must be right-padded (checked); its pads become a segment of their own and
-          it is dropped, as eager does for packed rows;
-        * an explicitly requested cache keeps the unpacked path and checks on the device that no row holds
-          several sequences (the eager error); without one the call runs with ``use_cache=False``;
-        * ``position_ids`` next to a 2-D mask are not read as packing; the device checks that they do not
-          restart at 0 after a row's first real token (eager would read them as packed rows);
-        * a 2-D mask on a one-token step always travels to the mixers (rows marked real are unaffected).
-        """
-        info = self.info
-        params = info["params"]
-        if not any(isinstance(kwargs.get(k), torch.Tensor) for k in BOUNDARY_INPUTS):
-            check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
-        check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced
-        mask = kwargs.get("attention_mask")
-        mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
-        position_ids = kwargs.get("position_ids")
-        position_ids = position_ids if isinstance(position_ids, torch.Tensor) else None
-        explicit = any(isinstance(kwargs.get(k), torch.Tensor) for k in ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"))
-        seq_idx, source = normalize_boundaries(
-            (B, T),
-            seq_idx=kwargs.get("seq_idx"),
-            cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
-            cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
-            position_ids=position_ids if (explicit or not mask2d) else None,
-            padding_mask=mask if (explicit and mask2d) else None,
-        )
-        kwargs.pop("seq_idx", None)
-        if not info["var_kwargs"]:
-            for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-                if k not in params:
-                    kwargs.pop(k, None)
-        cache_requested = kwargs.get("use_cache") is True or any(
-            kwargs.get(k) is not None for k in ("past_key_values", "cache_params", "cache")
-        )
-        if seq_idx is not None and cache_requested:
-            _require_no_packed_cache(~multi_sequence(seq_idx), source)
-            seq_idx = None  # every row holds one sequence (checked): the unpacked path, as eager
-        elif seq_idx is not None:
-            if mask2d:
-                seq_idx = _trailing_pads_as_segment(seq_idx, mask[:, -T:].to(torch.bool), source)
-            self._packed_policy(module, kwargs, seq_idx, ids, source, nested=False)
-            self._router_loss_mask(module, kwargs, real, mask[:, -T:] if mask2d else None, (B, T))
-        elif mask2d and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:  # pos [B, T]
-            m = mask[:, -T:].to(device=pos.device, dtype=torch.bool)  # [B, T]
-            device_check(
-                ~restarts_at_real_tokens(pos, m).any(),
-                "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
-                "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
-                "when they come with an attention_mask (or come without one)",
-            )
-        if seq_idx is None:
-            _traced_cache_positions(module, info, args, kwargs, T, mask if mask2d else None, ids)
-        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
-        padding_mask = mask if mask2d and seq_idx is None else None
-        token = enter_call(
-            CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask)
-        )
-        module._safepad.tokens.append(token)
-        return args, kwargs
-
-    def _packed_policy(self, module: nn.Module, kwargs: dict, seq_idx: torch.Tensor, ids: torch.Tensor, source: str,
-                       nested: bool) -> None:
-        """Cache off (or raise if one was asked for), restarting position_ids and packed masks for hybrids."""
-        info = self.info
-        explicit = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
-        if explicit and not nested:
-            _require_no_packed_cache(False, source)  # (an eager seq_idx holds several sequences per row)
-        if "use_cache" in info["params"] or info["var_kwargs"]:
+    def _packed_policy(self, module: nn.Module, kwargs: dict, seq_idx: torch.Tensor, ids: torch.Tensor) -> None:
+        """Cache off, restarting position_ids and packed masks for hybrids (a requested cache raised before)."""
+        plan = self.plan
+        if "use_cache" in plan.params or plan.var_kwargs:
             kwargs["use_cache"] = False  # the config default would build a cache nobody can use
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             # an all-ones mask carries no padding, but transformers detects packing from position_ids only
             # when no 2-D mask is given: drop it so that attention layers see the boundaries
             kwargs["attention_mask"] = None
-        if info["hybrid"] and kwargs.get("position_ids") is None and info["accepts_position_ids"]:
+        if plan.hybrid and kwargs.get("position_ids") is None and plan.accepts_position_ids:
             kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)
-        elif info["hybrid"] and isinstance(rope := kwargs.get("position_ids"), torch.Tensor) and rope.dim() == 3:
-            rows = info["text_position_rows"]
+        elif plan.hybrid and isinstance(rope := kwargs.get("position_ids"), torch.Tensor) and rope.dim() == 3:
+            rows = plan.text_position_rows
             if rows is None:
                 raise ValueError(
                     f"position_ids of shape {list(rope.shape)} (several RoPE rows) on a packed call of "
@@ -308,9 +316,9 @@ class _ModelPreHook:
                 # build their attention mask from a [4, B, T]'s row 0 only, so give them one restarting per sequence
                 text = position_ids_from_seq_idx(seq_idx).to(device=rope.device, dtype=rope.dtype)  # [B, T]
                 kwargs["position_ids"] = torch.cat([text[None], rope.expand(3, *text.shape)])  # [4, B, T]
-        if info["packed_attention_mask"] and "attention_mask" in info["params"]:
+        if plan.packed_attention_mask and "attention_mask" in plan.params:
             if kwargs.get("attention_mask") is None:
-                kwargs["attention_mask"] = packed_mask_mapping(module, seq_idx, info["packed_attention_mask"])
+                kwargs["attention_mask"] = packed_mask_mapping(module, seq_idx, plan.packed_attention_mask)
 
 
     def _router_loss_mask(self, module: nn.Module, kwargs: dict, real, pads, shape: tuple[int, int]) -> None:
@@ -319,7 +327,7 @@ class _ModelPreHook:
         both ``[B, T]`` or None), so that the pad tail stays out of that loss, as it stays out of the LM loss. The
         inner model's hook drops the mask again (packed attention reads the boundaries). Without either mask
         the loss gets no mask (every token is real), never the packed attention-mask mapping."""
-        if not self.info["router_loss_mask"]:
+        if not self.plan.router_loss_mask:
             return
         requested = kwargs.get("output_router_logits")
         if not (requested if requested is not None else text_config_value(module, "output_router_logits", False)):
@@ -351,7 +359,7 @@ def _require_no_packed_cache(ok: torch.Tensor | bool, source: str) -> None:
     )
 
 
-def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, T: int, mask, ids) -> None:
+def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, T: int, mask, ids) -> None:
     """While dynamo traces a cached call without ``position_ids``: each token's real position, as eager gives it.
 
     The eager hook (``slot_calls``) gives a cached call without ``position_ids`` the row's cached real tokens plus
@@ -362,8 +370,8 @@ def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: 
     ``kwargs["position_ids"]`` ``[B, T]`` in place; nothing for uncached calls, training calls with only the
     config's cache, models without ``position_ids`` or with multimodal rotary positions.
     """
-    params = info["params"]
-    if not info["accepts_position_ids"] or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
+    params = plan.params
+    if not plan.accepts_position_ids or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
         return
     if "position_ids" in params[: len(args)] or _mrope(module):
         return
@@ -372,7 +380,7 @@ def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: 
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
     if not wanted or (module.training and not explicit):
-        _traced_hole_positions(module, info, kwargs, T, mask, ids)
+        _traced_hole_positions(module, plan, kwargs, T, mask, ids)
         return
     past = 0
     if cache is not None and hasattr(cache, "get_seq_length"):
@@ -388,7 +396,7 @@ def _traced_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: 
     kwargs["position_ids"] = pos + (past + T - mask.shape[1])
 
 
-def _traced_hole_positions(module: nn.Module, info: dict, kwargs: dict, T: int, mask, ids: torch.Tensor) -> None:
+def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: int, mask, ids: torch.Tensor) -> None:
     """While dynamo traces an uncached call of a hybrid: what the eager re-lay of rows with holes gives.
 
     Eager (``slot_calls``) re-lays an uncached call whose rows have a pad between real tokens (a hole), so that
@@ -398,11 +406,11 @@ def _traced_hole_positions(module: nn.Module, info: dict, kwargs: dict, T: int, 
     windows, slot distances) would also need the re-lay itself, which a traced call cannot do: a hole there raises
     on the device.
     """
-    if mask is None or T < 2 or mask.shape[1] != T or not (info["hybrid"] or info.get("slot_distances")):
+    if mask is None or T < 2 or mask.shape[1] != T or not (plan.hybrid or plan.slot_distances):
         return
     m = mask.to(device=ids.device, dtype=torch.bool)  # [B, T]
     holes = has_holes(m).any()  # [] bool
-    if info["slot_sensitive"]:
+    if plan.slot_sensitive:
         device_check(
             ~holes,
             f"{type(module).__name__} under torch.compile: an uncached call whose attention_mask has a pad between "
@@ -411,7 +419,7 @@ def _traced_hole_positions(module: nn.Module, info: dict, kwargs: dict, T: int, 
             "(left or right padding), or make this call eagerly.",
         )
     arange = torch.arange(T, device=ids.device).expand(m.shape[0], T)  # [B, T]
-    if info["hybrid"]:  # left pads too, as eager (slot_calls._with_real_positions): the rollout's positions
+    if plan.hybrid:  # left pads too, as eager (slot_calls._with_real_positions): the rollout's positions
         holes = holes | pads_before_real(m).any()
     kwargs["position_ids"] = torch.where(holes, (m.long().cumsum(1) - 1).clamp(min=0), arange)  # [B, T]
 

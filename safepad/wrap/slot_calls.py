@@ -13,6 +13,8 @@ serve (Inkling's log scaling: ``safepad.specs.inkling_family``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from .._config import text_config_value
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
+
+if TYPE_CHECKING:
+    from .hooks import ModelPlan
 
 __all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore"]
 
@@ -99,15 +104,17 @@ def counts_slots(model: nn.Module, specs) -> bool:
     return any(w for w in windows) or any("sliding" in str(t) for t in layer_types)
 
 
-def _decode_step(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, mask: torch.Tensor, past_len: int):
+def _decode_step(
+    module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, mask: torch.Tensor, past_len: int
+):
     """A one-token step on a cache safepad never re-laid, whose attention counts no slots: no host read.
 
     The cache rows are in stock's layout (left pads at most, no pad after a real token), so the step needs no
     re-lay; a pad step token is masked by the mixers (``decode_mask``) and by full attention. Missing positions
     come from the mask on the device: ``mask.sum(1) - 1`` (the row's real tokens before this one).
     """
-    params = info["params"]
-    if not info["accepts_position_ids"] or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
+    params = plan.params
+    if not plan.accepts_position_ids or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
         return args, kwargs
     named = dict(zip(params, args))
     named.update(kwargs)
@@ -115,9 +122,9 @@ def _decode_step(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     return (), named
 
 
-def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int):
+def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int):
     """Keep the slot-justified cache layout (``safepad.layout.slots``) for this call; returns ``(args, kwargs)``."""
-    params = info["params"]
+    params = plan.params
     if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
         return args, kwargs  # packed rows: the packed policy applies (no cache)
     cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
@@ -140,18 +147,18 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 "that the pads stay masked."
             )
         if mask is None and wanted:
-            return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
+            return _with_cache_positions(module, plan, args, kwargs, B, T, past_len)
         return args, kwargs
     generating = generate_frame()
     if generating is not None and wanted and past_len > 0 and mask.shape[1] == T > past_len:
         # generate() continuing from a cache without attention layers hands in the whole sequence (transformers
         # slices off the cached tokens only for attention caches): run the new ones only
-        (args, kwargs), T = _drop_cached_prefix(info, args, kwargs, B, T, past_len), T - past_len
+        (args, kwargs), T = _drop_cached_prefix(plan, args, kwargs, B, T, past_len), T - past_len
     if (
-        T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1 and not info["slot_sensitive"]
+        T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1 and not plan.slot_sensitive
         and not getattr(cache, _RELAID_FLAG, False)
     ):
-        return _decode_step(module, info, args, kwargs, B, mask, past_len)
+        return _decode_step(module, plan, args, kwargs, B, mask, past_len)
     m = mask.to(torch.bool)
     # a one-token step on a re-laid cache or with slot-counting attention: decided on the device (SlotJustifiedCall)
     step = T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1
@@ -162,7 +169,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         # token: the call is re-laid like a first cached call (each row [pads | real], positions from the mask
         # unless given), its outputs put back in order, and a loss taken over them (post-hook)
         holes = (
-            (info["hybrid"] or info.get("slot_distances")) and past_len == 0 and mask.shape[1] == T and T > 1
+            (plan.hybrid or plan.slot_distances) and past_len == 0 and mask.shape[1] == T and T > 1
             and _has_holes(m)
         )
         # generate(use_cache=False) re-feeds the whole sequence and reads each row's next token from its LAST
@@ -174,9 +181,9 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
             and not module.training and _arg(args, kwargs, params, "labels") is None
         )
         if not (holes or refed):
-            for check in info["slot_checks"]:
+            for check in plan.slot_checks:
                 check(module, m[:, -T:])
-            return _with_real_positions(module, info, args, kwargs, m, T, past_len)
+            return _with_real_positions(module, plan, args, kwargs, m, T, past_len)
         uncached_holes = True
     else:
         uncached_holes = False
@@ -195,20 +202,20 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 f"tokens and the call brings {T}: with padding, pass the full-length mask (cached tokens plus new "
                 f"ones, {past_len + T} columns), as generate() does"
             )
-        return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
+        return _with_cache_positions(module, plan, args, kwargs, B, T, past_len)
     if not step and bool(m.all()):  # no padding anywhere: nothing to re-lay (one host read for the common case)
-        return _with_cache_positions(module, info, args, kwargs, B, T, past_len)
+        return _with_cache_positions(module, plan, args, kwargs, B, T, past_len)
     # a cache no call re-laid holds its rows as the caller's mask lays them out (a one-token step with a pad leaves
     # [reals | pad], _decode_step): its slots are re-laid from that layout; a re-laid one is justified, and so is
     # every cache of slot-counting attention (each of its cached calls, decode steps included, comes here; a
     # one-token step re-lays on the device without marking the cache) (a cache without attention layers has no
     # slots to re-lay)
     justified = (
-        step or info["slot_sensitive"] or bool(getattr(cache, _RELAID_FLAG, False)) or cache is None
+        step or plan.slot_sensitive or bool(getattr(cache, _RELAID_FLAG, False)) or cache is None
         or recurrent_only(cache)
     )
     call = SlotJustifiedCall(m, past_len, past_slots=None if justified else m[:, :past_len])
-    for check in info["slot_checks"]:
+    for check in plan.slot_checks:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, flagged if step else not bool(call.mask.all()), restore=generating is None)
     if step:
@@ -219,7 +226,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     # generate() extends position_ids from each row's LAST column, a pad after a right-padded prompt: inside
     # generate the mask decides the positions (they equal generate's own wherever those are right)
     # (a multimodal-rotary model computes missing positions from its own inputs: only 2-D text ones are replaced)
-    replace_positions = info["accepts_position_ids"] and (
+    replace_positions = plan.accepts_position_ids and (
         (position_ids is None and not _mrope(module))
         or (generating is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2)
     )
@@ -250,7 +257,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
         named["position_ids"] = _refed_stacked_positions(position_ids, m)
     if call.noop:
         return (), named
-    if uncached_holes and ("use_cache" in params or info["var_kwargs"]):
+    if uncached_holes and ("use_cache" in params or plan.var_kwargs):
         named["use_cache"] = False  # (a training step's config default): nobody reads that cache
     scored = explicit or uncached_holes
     if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
@@ -265,7 +272,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
                 "no loss_function to score the caller's row with: compute the loss without a cache "
                 "(use_cache=False), or pad on the left."
             )
-        if "use_cache" in params or info["var_kwargs"]:
+        if "use_cache" in params or plan.var_kwargs:
             named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
         if position_ids is None:
             named.pop("position_ids", None)
@@ -289,7 +296,7 @@ def slot_justify(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: in
     # (attention weights address cache slots even when the chunk keeps its order; a step's other outputs need no
     # restoring: one token keeps its order)
     if record.restore and not (step and not _attentions_wanted(module, named)):
-        _ask_for_model_output(module, info, named, record)
+        _ask_for_model_output(module, plan, named, record)
     call.install(cache)
     if isinstance(named.get("position_ids"), torch.Tensor):
         named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
@@ -303,7 +310,7 @@ def _attentions_wanted(module: nn.Module, named: dict) -> bool:
     return bool(getattr(getattr(module, "config", None), "output_attentions", False) if wanted is None else wanted)
 
 
-def _ask_for_model_output(module: nn.Module, info: dict, named: dict, record: SlotRecord) -> None:
+def _ask_for_model_output(module: nn.Module, plan: ModelPlan, named: dict, record: SlotRecord) -> None:
     """A caller asking for a tuple gets the ModelOutput's ``to_tuple()`` (the post-hook restores the fields by name).
 
     A tuple holds no field names, so the post-hook could not tell hidden states from attention weights or router
@@ -312,7 +319,7 @@ def _ask_for_model_output(module: nn.Module, info: dict, named: dict, record: Sl
     wanted = named.get("return_dict")
     if wanted is None:
         wanted = text_config_value(module, "return_dict", True) is not False
-    if wanted or not ("return_dict" in info["params"] or info["var_kwargs"]):
+    if wanted or not ("return_dict" in plan.params or plan.var_kwargs):
         return
     named["return_dict"] = True
     record.as_tuple = True
@@ -383,9 +390,9 @@ def _past_length(cache) -> int:
         raise
 
 
-def _drop_cached_prefix(info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
+def _drop_cached_prefix(plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
     """Every ``[B, T, ...]`` input but the mask cut to its last ``T - past_len`` tokens (``[K, B, T]`` ones too)."""
-    named = dict(zip(info["params"], args))
+    named = dict(zip(plan.params, args))
     named.update(kwargs)
     for name, value in list(named.items()):
         if name == "attention_mask" or not isinstance(value, torch.Tensor) or value.dim() < 2:
@@ -449,14 +456,14 @@ def _mrope(module: nn.Module) -> bool:
     return isinstance(rope, dict) and any(k.startswith("mrope") for k in rope)
 
 
-def _with_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
+def _with_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
     """A cached call without padding and without ``position_ids``: positions ``past_len + arange(T)``.
 
     Some families (Bamba in transformers 5.24) restart their rotary positions at 0 on every call when
     ``position_ids`` are not given, so a chunked prefill or a decode step would see the wrong distances.
     """
-    params = info["params"]
-    if past_len == 0 or not info["accepts_position_ids"] or _mrope(module):
+    params = plan.params
+    if past_len == 0 or not plan.accepts_position_ids or _mrope(module):
         return args, kwargs
     if _arg(args, kwargs, params, "position_ids") is not None:
         return args, kwargs
@@ -467,7 +474,7 @@ def _with_cache_positions(module: nn.Module, info: dict, args: tuple, kwargs: di
     return (), named
 
 
-def _with_real_positions(module: nn.Module, info: dict, args: tuple, kwargs: dict, m: torch.Tensor, T: int,
+def _with_real_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, m: torch.Tensor, T: int,
                          past_len: int):
     """An uncached call of a hybrid with left-padded rows and without ``position_ids``: positions ``cumsum(m) - 1``.
 
@@ -478,10 +485,10 @@ def _with_real_positions(module: nn.Module, info: dict, args: tuple, kwargs: dic
     then differs from the rollout's cached steps by ~1e-3 in log-prob. Right-padded rows already have these
     positions on their real tokens; nothing changes when no row has a pad before a real token.
     """
-    params = info["params"]
-    if not info["hybrid"] or past_len != 0 or T < 2 or m.shape[1] != T:
+    params = plan.params
+    if not plan.hybrid or past_len != 0 or T < 2 or m.shape[1] != T:
         return args, kwargs
-    if not info["accepts_position_ids"] or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
+    if not plan.accepts_position_ids or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
         return args, kwargs
     if not bool((m[:, 1:] & ~m[:, :-1]).any()):  # no row has a pad before a real token (one host read)
         return args, kwargs
