@@ -53,7 +53,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import BOUNDARY_INPUTS, boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .slot_calls import _mrope, check_traced_cache, counts_slots, slot_justify, slot_restore
+from .slot_calls import _mrope, counts_slots, slot_justify, slot_restore, traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "install_model_hooks"]
 
@@ -231,7 +231,8 @@ class _ModelPreHook:
         params = info["params"]
         if not any(isinstance(kwargs.get(k), torch.Tensor) for k in BOUNDARY_INPUTS):
             check_enclosing_call_at_trace()  # run by dynamo at trace time, on the real Python stack
-        check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced
+        # a one-token step re-lays a justified cache on the device, as eager; other calls on re-laid caches raise
+        token_mask = traced_slot_step(module, info, kwargs, B, T)
         mask = kwargs.get("attention_mask")
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         position_ids = kwargs.get("position_ids")
@@ -273,8 +274,13 @@ class _ModelPreHook:
             _traced_cache_positions(module, info, args, kwargs, T, mask if mask2d else None, ids)
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]
         padding_mask = mask if mask2d and seq_idx is None else None
+        if token_mask is not None:  # a re-laid step: its mask is the cache's; the step token's own is token_mask
+            decode_mask = padding_mask = token_mask
         token = enter_call(
-            CallContext(seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask)
+            CallContext(
+                seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask,
+                token_mask=token_mask,
+            )
         )
         module._safepad.tokens.append(token)
         return args, kwargs

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
+from .._tracing import device_check
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 
-__all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore"]
+__all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore", "traced_slot_step"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
@@ -319,21 +320,96 @@ def _ask_for_model_output(module: nn.Module, info: dict, named: dict, record: Sl
 
 
 def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
-    """While dynamo traces a cached call: refuse a cache whose rows an eager call re-laid.
+    """While dynamo traces a cached call that is not a one-token step (:func:`traced_slot_step`): refuse a cache
+    whose rows an eager call re-laid.
 
-    The traced model hook does no slot justification (the re-lay is decided from mask values on the host), so
-    its mask and positions would address the caller's layout while the cache holds the justified one, silently
-    wrong. A re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
+    A traced chunk cannot be re-laid (the chunk's reorder is decided from mask values on the host), so its mask
+    and positions would address the caller's layout while the cache holds the justified one, silently wrong. A
+    re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
     """
     cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
     if cache is not None and getattr(cache, _RELAID_FLAG, False):
         raise ValueError(
             f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
-            "padding after real tokens, e.g. right padding), and a compiled call cannot keep that layout, so its "
-            "result would be wrong. Pad prompts on the left (tokenizer.padding_side = 'left') to generate under "
-            "torch.compile, or run the cached calls of right-padded rows without compiling "
-            "(no compile_config / torch.compiler.set_stance('force_eager'))."
+            "padding after real tokens, e.g. right padding), and a compiled call of more than one token cannot keep "
+            "that layout, so its result would be wrong. Continue it with one-token compiled steps (each with the "
+            "full-length attention_mask, as generate() passes), or make this call eagerly "
+            "(torch.compiler.set_stance('force_eager')), or pad prompts on the left (tokenizer.padding_side = 'left')."
         )
+
+
+def traced_slot_step(module: nn.Module, info: dict, kwargs: dict, B: int, T: int) -> torch.Tensor | None:
+    """While dynamo traces a cached call: keep the slot-justified cache layout as the eager hook does.
+
+    * a one-token step (a 2-D ``attention_mask`` ``[B, L + 1]`` over a ``DynamicCache`` holding ``L`` slots) on a
+      cache an eager call re-laid, or of a model whose attention counts slots (whose every eager cached call keeps
+      the rows justified, decode steps included): the device re-lay of :class:`SlotJustifiedCall` (``T == 1``:
+      every decision a device tensor), with the justified mask and, when none are given, the positions of each
+      row's real tokens; ``kwargs`` is updated in place;
+    * a longer call of slot-counting attention: its mask must keep every row ``[pads | real tokens]`` (checked on
+      the device: a pad after a real token would need the host-side reorder; its cache may have been re-laid);
+    * any other call on a re-laid cache raises (:func:`check_traced_cache`).
+
+    Returns the step's token mask ``[B, 1]`` bool (a pad step token False) when the step was re-laid, else None.
+    """
+    cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
+    mask = kwargs.get("attention_mask")
+    mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
+    relaid = cache is not None and bool(getattr(cache, _RELAID_FLAG, False))
+    if cache is None or not (relaid or info["slot_sensitive"]) or recurrent_only(cache):
+        return None
+    if T == 1 and mask2d and _plain_dynamic_cache(cache):
+        past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
+        if past_len > 0 and mask.shape[1] == past_len + 1:
+            return _traced_step(module, info, kwargs, cache, mask, B, past_len)
+    check_traced_cache(module, kwargs)
+    if T > 1 and mask2d and mask.shape[1] >= T:
+        m = mask.to(torch.bool)
+        device_check(
+            ~(m[:, :-1] & ~m[:, 1:]).any(),
+            f"{type(module).__name__} under torch.compile: a cached call whose attention_mask has a pad after a real "
+            "token (right padding, or a pad step token before) cannot be re-laid while traced, and this model's "
+            "attention counts cache slots (a sliding window or slot distances). Make this call eagerly "
+            "(torch.compiler.set_stance('force_eager')), or pad prompts on the left.",
+        )
+    return None
+
+
+def _plain_dynamic_cache(cache) -> bool:
+    """Does every layer of ``cache`` that holds keys concatenate onto them (a DynamicCache's, re-laid in place)?"""
+    from ..layout.slots import _plain_dynamic
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not hasattr(type(cache), "update"):
+        return False
+    held = [layer for layer in layers if getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", False)]
+    return bool(held) and all(_plain_dynamic(layer) for layer in held)
+
+
+def _traced_step(module: nn.Module, info: dict, kwargs: dict, cache, mask: torch.Tensor, B: int, past_len):
+    """The eager one-token step of :func:`slot_justify` while traced (every decision a device tensor)."""
+    m = mask.to(torch.bool)
+    call = SlotJustifiedCall(m, past_len)  # T == 1: justified mask, pad counts and re-lay on the device
+    for check in info["slot_checks"]:
+        check(module, call.mask)
+    # (the stack cannot be read while traced: a step inside generate() is served as one outside it, whose given
+    # positions are kept (generate's own, cumsum(mask) - 1, count each row's real tokens) and whose attention
+    # weights are put in the caller's columns; a step's other outputs need no restoring)
+    record = SlotRecord(None, (B, 1), None, bool(getattr(cache, _PADDED_FLAG, False)))
+    record.pads = call.pads()  # [B]
+    record.cache = cache
+    module._safepad.slot_calls[-1] = record
+    position_ids = kwargs.get("position_ids")
+    if info["accepts_position_ids"] and position_ids is None and not _mrope(module):
+        kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, 1]: the row's cached real tokens
+    kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + 1]
+    if _attentions_wanted(module, kwargs):
+        _ask_for_model_output(module, info, kwargs, record)
+    call.install(cache)
+    if isinstance(kwargs.get("position_ids"), torch.Tensor):
+        kwargs["position_ids"] = call.with_moved_positions(kwargs["position_ids"])
+    record.call = call
+    return call.token_mask
 
 
 def _holds_step_pads(cache) -> bool:
