@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
-from .._tracing import device_check
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
@@ -27,8 +26,8 @@ __all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
-#: marks a cache whose rows an eager call re-laid (pads moved): its later calls are re-laid too, and only
-#: slot-justified (eager) calls may read it (a traced call refuses it: check_traced_cache)
+#: marks a cache whose rows an eager call re-laid (pads moved, or a decode step's device re-lay): its later calls
+#: are re-laid too; traced, a one-token step re-lays it on the device and longer calls refuse it (traced_slot_step)
 _RELAID_FLAG = "_safepad_relaid_slots"
 #: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
 #: indexer positions)
@@ -326,6 +325,7 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
     A traced chunk cannot be re-laid (the chunk's reorder is decided from mask values on the host), so its mask
     and positions would address the caller's layout while the cache holds the justified one, silently wrong. A
     re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
+    (Also for a cache only decode steps re-laid, where no row's token may have been a pad: unknown on the host.)
     """
     cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
     if cache is not None and getattr(cache, _RELAID_FLAG, False):
@@ -339,39 +339,29 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
 
 
 def traced_slot_step(module: nn.Module, info: dict, kwargs: dict, B: int, T: int) -> torch.Tensor | None:
-    """While dynamo traces a cached call: keep the slot-justified cache layout as the eager hook does.
+    """While dynamo traces a cached call: keep the slot-justified layout of a cache a call has re-laid.
 
-    * a one-token step (a 2-D ``attention_mask`` ``[B, L + 1]`` over a ``DynamicCache`` holding ``L`` slots) on a
-      cache an eager call re-laid, or of a model whose attention counts slots (whose every eager cached call keeps
-      the rows justified, decode steps included): the device re-lay of :class:`SlotJustifiedCall` (``T == 1``:
-      every decision a device tensor), with the justified mask and, when none are given, the positions of each
-      row's real tokens; ``kwargs`` is updated in place;
-    * a longer call of slot-counting attention: its mask must keep every row ``[pads | real tokens]`` (checked on
-      the device: a pad after a real token would need the host-side reorder; its cache may have been re-laid);
-    * any other call on a re-laid cache raises (:func:`check_traced_cache`).
+    A cache that an eager call re-laid (a chunk with padding after real tokens, or a decode step, which re-lays on
+    the device whether or not its token is a pad; a Python mark read at trace time) holds every row
+    ``[pads | real tokens]``, unlike the caller's mask:
 
-    Returns the step's token mask ``[B, 1]`` bool (a pad step token False) when the step was re-laid, else None.
+    * a one-token step (a 2-D ``attention_mask`` ``[B, L + 1]`` over a ``DynamicCache`` holding ``L`` slots) runs the
+      eager step's device re-lay (:class:`SlotJustifiedCall`, ``T == 1``: every decision a device tensor), with
+      the justified mask and, when none are given, each row's real positions; ``kwargs`` is updated in place;
+    * any other call on it raises (:func:`check_traced_cache`).
+
+    A cache no call re-laid is in the caller's layout and is served as it is. Returns the step's token mask
+    ``[B, 1]`` bool (a pad step token False) when the step was re-laid, else None.
     """
     cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
-    mask = kwargs.get("attention_mask")
-    mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    relaid = cache is not None and bool(getattr(cache, _RELAID_FLAG, False))
-    if cache is None or not (relaid or info["slot_sensitive"]) or recurrent_only(cache):
+    if cache is None or not getattr(cache, _RELAID_FLAG, False) or recurrent_only(cache):
         return None
-    if T == 1 and mask2d and _plain_dynamic_cache(cache):
+    mask = kwargs.get("attention_mask")
+    if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and _plain_dynamic_cache(cache):
         past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
         if past_len > 0 and mask.shape[1] == past_len + 1:
             return _traced_step(module, info, kwargs, cache, mask, B, past_len)
     check_traced_cache(module, kwargs)
-    if T > 1 and mask2d and mask.shape[1] >= T:
-        m = mask.to(torch.bool)
-        device_check(
-            ~(m[:, :-1] & ~m[:, 1:]).any(),
-            f"{type(module).__name__} under torch.compile: a cached call whose attention_mask has a pad after a real "
-            "token (right padding, or a pad step token before) cannot be re-laid while traced, and this model's "
-            "attention counts cache slots (a sliding window or slot distances). Make this call eagerly "
-            "(torch.compiler.set_stance('force_eager')), or pad prompts on the left.",
-        )
     return None
 
 
@@ -602,8 +592,9 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         setattr(cache, _PADDED_FLAG, True)
     if record.pads is not None and slots:
         setattr(cache, _PADS_ATTR, record.pads)
-    # (a decode step re-lays on the device, and only a cache re-laid before stays marked: see docs/limits.md)
-    relaid = call is not None and (call.order is not None or (call.relay and not call.decode))
+    # (a decode step re-lays on the device without the host knowing whether some row's token was a pad: its
+    # cache is marked too, so that a traced call serves it re-laid (a step) or refuses it (traced_slot_step))
+    relaid = call is not None and (call.order is not None or call.relay)
     if relaid and slots:
         setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:
