@@ -357,7 +357,8 @@ def traced_slot_step(module: nn.Module, info: dict, kwargs: dict, B: int, T: int
     if cache is None or not getattr(cache, _RELAID_FLAG, False) or recurrent_only(cache):
         return None
     mask = kwargs.get("attention_mask")
-    if T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and _plain_dynamic_cache(cache):
+    step = T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
+    if step and _plain_dynamic_cache(cache):
         past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
         if past_len > 0 and mask.shape[1] == past_len + 1:
             return _traced_step(module, info, kwargs, cache, mask, B, past_len)
@@ -372,7 +373,7 @@ def _plain_dynamic_cache(cache) -> bool:
     layers = getattr(cache, "layers", None)
     if not layers or not hasattr(type(cache), "update"):
         return False
-    held = [layer for layer in layers if getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", False)]
+    held = [lay for lay in layers if getattr(lay, "keys", None) is not None and getattr(lay, "is_initialized", False)]
     return bool(held) and all(_plain_dynamic(layer) for layer in held)
 
 
