@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
+from .._tracing import device_check, tracing
 
 from ..mixers.attn_conv import attention_conv_forward
 from .registry import MixerSpec, register
@@ -32,14 +33,19 @@ def check_slot_log_scaling(module: nn.Module, layout: torch.Tensor) -> None:
     slots = torch.arange(layout.shape[1], device=layout.device)[None]  # [1, N]
     after_pad = (~layout).cumsum(1) > 0  # [B, N]
     bad = layout & after_pad & (slots + 1 > floor)
-    if bool(bad.any()):
-        row = int(bad.any(1).nonzero()[0])
-        raise ValueError(
+
+    def message(row: str) -> str:
+        return (
             f"{type(module).__name__}: log-scaled attention (log_scaling_n_floor={floor}) scales each query by its "
-            f"cache slot, and row {row} has real tokens past slot {floor} with pads before them, so its slots run "
+            f"cache slot, and {row} has real tokens past slot {floor} with pads before them, so its slots run "
             "ahead of its positions there: those queries would be scaled wrong. Keep padded batches shorter than "
             "the floor, or run such rows without padding."
         )
+
+    if tracing():  # a compiled decode step (safepad.wrap.slot_calls.traced_slot_step): checked on the device
+        device_check(~bad.any(), message("a row"))
+    elif bool(bad.any()):
+        raise ValueError(message(f"row {int(bad.any(1).nonzero()[0])}"))
 
 
 def _spec(model_type: str, classes: tuple[str, ...], scale, description: str, slot_log_scaling: bool = False) -> MixerSpec:

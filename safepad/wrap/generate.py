@@ -283,7 +283,7 @@ def _rope_deltas_of_cache(model: Any, cache: Any, rows: int | None = None) -> No
 def _compiles(model: Any, kwargs: dict, cache: Any) -> bool:
     """Will this ``generate`` run a compileable cache or a compiled forward? (``cache_implementation`` other than
     dynamic, a compileable cache handed in (``StaticCache``), a ``compile_config``, or ``model.forward`` replaced by
-    ``torch.compile(model.forward)``.)"""
+    ``torch.compile(model.forward)``, or the model compiled in place: ``model.compile()``.)"""
     gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     implementation = kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None))
     if implementation not in (None, "dynamic"):
@@ -291,6 +291,8 @@ def _compiles(model: Any, kwargs: dict, cache: Any) -> bool:
     if cache is not None and getattr(cache, "is_compileable", False) and type(cache).__name__ != "DynamicCache":
         return True
     if kwargs.get("compile_config", getattr(gen_config, "compile_config", None)) is not None:
+        return True
+    if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): every call traced, hooks too
         return True
     forward = model.__dict__.get("forward")
     return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")

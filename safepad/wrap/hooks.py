@@ -53,7 +53,7 @@ from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadGenerate, SafepadPrepareInputs
-from .slot_calls import _mrope, check_traced_cache, counts_slots, slot_justify, slot_restore
+from .slot_calls import _mrope, counts_slots, slot_justify, slot_restore, traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
@@ -223,7 +223,9 @@ class _ModelPreHook:
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
         if traced:
-            check_traced_cache(module, kwargs)  # a cache an eager call re-laid (slot_calls) cannot be read traced
+            # a one-token step re-lays a cache an eager call re-laid on the device, as eager steps do ([B, 1] token
+            # mask); any other call on such a cache raises (slot_calls.check_traced_cache)
+            token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
             forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
@@ -278,7 +280,7 @@ class _ModelPreHook:
                 "when they come with an attention_mask (or come without one)",
             )
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
-            _traced_cache_positions(module, plan, args, kwargs, T, mask if mask2d else None, ids)
+            _traced_cache_positions(module, plan, args, kwargs, T, _two_d_mask(kwargs.get("attention_mask")), ids)
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]: a pad step token
         padding_mask = mask if padding and seq_idx is None else None
         token = enter_call(

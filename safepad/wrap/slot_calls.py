@@ -26,13 +26,13 @@ from .frames import generate_frame
 if TYPE_CHECKING:
     from .hooks import ModelPlan
 
-__all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore"]
+__all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore", "traced_slot_step"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
-#: marks a cache whose rows an eager call re-laid (pads moved): its later calls are re-laid too, and only
-#: slot-justified (eager) calls may read it (a traced call refuses it: check_traced_cache)
+#: marks a cache whose rows an eager call re-laid (pads moved, or a decode step's device re-lay): its later calls
+#: are re-laid too; traced, a one-token step re-lays it on the device and longer calls refuse it (traced_slot_step)
 _RELAID_FLAG = "_safepad_relaid_slots"
 #: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
 #: indexer positions)
@@ -326,21 +326,88 @@ def _ask_for_model_output(module: nn.Module, plan: ModelPlan, named: dict, recor
 
 
 def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
-    """While dynamo traces a cached call: refuse a cache whose rows an eager call re-laid.
+    """While dynamo traces a cached call that is not a one-token step (:func:`traced_slot_step`): refuse a cache
+    whose rows an eager call re-laid.
 
-    The traced model hook does no slot justification (the re-lay is decided from mask values on the host), so
-    its mask and positions would address the caller's layout while the cache holds the justified one, silently
-    wrong. A re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
+    A traced chunk cannot be re-laid (the chunk's reorder is decided from mask values on the host), so its mask
+    and positions would address the caller's layout while the cache holds the justified one, silently wrong. A
+    re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
+    (Also for a cache only decode steps re-laid, where no row's token may have been a pad: unknown on the host.)
     """
     cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
     if cache is not None and getattr(cache, _RELAID_FLAG, False):
         raise ValueError(
             f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
-            "padding after real tokens, e.g. right padding), and a compiled call cannot keep that layout, so its "
-            "result would be wrong. Pad prompts on the left (tokenizer.padding_side = 'left') to generate under "
-            "torch.compile, or run the cached calls of right-padded rows without compiling "
-            "(no compile_config / torch.compiler.set_stance('force_eager'))."
+            "padding after real tokens, e.g. right padding), and a compiled call of more than one token cannot keep "
+            "that layout, so its result would be wrong. Continue it with one-token compiled steps (each with the "
+            "full-length attention_mask, as generate() passes), or make this call eagerly "
+            "(torch.compiler.set_stance('force_eager')), or pad prompts on the left (tokenizer.padding_side = 'left')."
         )
+
+
+def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T: int) -> torch.Tensor | None:
+    """While dynamo traces a cached call: keep the slot-justified layout of a cache a call has re-laid.
+
+    A cache that an eager call re-laid (a chunk with padding after real tokens, or a decode step, which re-lays on
+    the device whether or not its token is a pad; a Python mark read at trace time) holds every row
+    ``[pads | real tokens]``, unlike the caller's mask:
+
+    * a one-token step (a 2-D ``attention_mask`` ``[B, L + 1]`` over a ``DynamicCache`` holding ``L`` slots) runs the
+      eager step's device re-lay (:class:`SlotJustifiedCall`, ``T == 1``: every decision a device tensor), with
+      the justified mask and, when none are given, each row's real positions; ``kwargs`` is updated in place;
+    * any other call on it raises (:func:`check_traced_cache`).
+
+    A cache no call re-laid is in the caller's layout and is served as it is. Returns the step's token mask
+    ``[B, 1]`` bool (a pad step token False) when the step was re-laid, else None.
+    """
+    cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
+    if cache is None or not getattr(cache, _RELAID_FLAG, False) or recurrent_only(cache):
+        return None
+    mask = kwargs.get("attention_mask")
+    step = T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
+    if step and _plain_dynamic_cache(cache):
+        past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
+        if past_len > 0 and mask.shape[1] == past_len + 1:
+            return _traced_step(module, plan, kwargs, cache, mask, B, past_len)
+    check_traced_cache(module, kwargs)
+    return None
+
+
+def _plain_dynamic_cache(cache) -> bool:
+    """Does every layer of ``cache`` that holds keys concatenate onto them (a DynamicCache's, re-laid in place)?"""
+    from ..layout.slots import _plain_dynamic
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not hasattr(type(cache), "update"):
+        return False
+    held = [lay for lay in layers if getattr(lay, "keys", None) is not None and getattr(lay, "is_initialized", False)]
+    return bool(held) and all(_plain_dynamic(layer) for layer in held)
+
+
+def _traced_step(module: nn.Module, plan: ModelPlan, kwargs: dict, cache, mask: torch.Tensor, B: int, past_len):
+    """The eager one-token step of :func:`slot_justify` while traced (every decision a device tensor)."""
+    m = mask.to(torch.bool)
+    call = SlotJustifiedCall(m, past_len)  # T == 1: justified mask, pad counts and re-lay on the device
+    for check in plan.slot_checks:
+        check(module, call.mask)
+    # (the stack cannot be read while traced: a step inside generate() is served as one outside it, whose given
+    # positions are kept (generate's own, cumsum(mask) - 1, count each row's real tokens) and whose attention
+    # weights are put in the caller's columns; a step's other outputs need no restoring)
+    record = SlotRecord(None, (B, 1), None, bool(getattr(cache, _PADDED_FLAG, False)))
+    record.pads = call.pads()  # [B]
+    record.cache = cache
+    module._safepad.slot_calls[-1] = record
+    position_ids = kwargs.get("position_ids")
+    if plan.accepts_position_ids and position_ids is None and not _mrope(module):
+        kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, 1]: the row's cached real tokens
+    kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + 1]
+    if _attentions_wanted(module, kwargs):
+        _ask_for_model_output(module, plan, kwargs, record)
+    call.install(cache)
+    if isinstance(kwargs.get("position_ids"), torch.Tensor):
+        kwargs["position_ids"] = call.with_moved_positions(kwargs["position_ids"])
+    record.call = call
+    return call.token_mask
 
 
 def _holds_step_pads(cache) -> bool:
@@ -533,8 +600,9 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
         setattr(cache, _PADDED_FLAG, True)
     if record.pads is not None and slots:
         setattr(cache, _PADS_ATTR, record.pads)
-    # (a decode step re-lays on the device, and only a cache re-laid before stays marked: see docs/limits.md)
-    relaid = call is not None and (call.order is not None or (call.relay and not call.decode))
+    # (a decode step re-lays on the device without the host knowing whether some row's token was a pad: its
+    # cache is marked too, so that a traced call serves it re-laid (a step) or refuses it (traced_slot_step))
+    relaid = call is not None and (call.order is not None or call.relay)
     if relaid and slots:
         setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
     if record.labels is not None:

@@ -118,3 +118,24 @@ def test_compiled_object_uncached_holes_raise_where_attention_counts_slots():
     ids = torch.randint(3, 200, _HOLES.shape)
     with pytest.raises(RuntimeError, match="pad between real tokens"), torch.no_grad():
         compiled(input_ids=ids, attention_mask=_HOLES, use_cache=False)
+
+
+@torch.no_grad()
+def test_compiled_in_place_generate_right_padded_equals_alone():
+    """``model.compile()`` (every call of the model object traced, its hooks too) and ``generate`` on right-padded
+    prompts (default cache): each row's new tokens are those of the row alone (stock, full forwards, no cache).
+    Before: the right-padded prompt's prefill ran traced in the caller's layout and generate read row 1's next
+    token from a pad (``[104, 60, 50]`` for ``[209, 54, 251]``); now its prompt is laid pads first, as for a
+    compiled ``forward``."""
+    from ..contract.helpers import gen_kwargs, greedy_alone, pad, prompts
+
+    stock = tiny_model("nemotron_h").eval()
+    model = safepad.wrap(copy.deepcopy(stock))
+    model.compile(backend="eager")
+    rows = prompts((6, 3), seed=5)
+    ids, mask = pad(rows, "right")
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **gen_kwargs(3))
+    assert torch.equal(out[:, : ids.shape[1]], ids)  # the caller's prompt
+    for i, r in enumerate(rows):
+        want, _ = greedy_alone(stock, r, 3)
+        assert torch.equal(out[i, ids.shape[1] :], want), (i, out[i].tolist(), want.tolist())
