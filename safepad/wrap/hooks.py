@@ -20,9 +20,6 @@ families drop ``**kwargs`` before their mixers. On packed calls it also:
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -53,21 +50,13 @@ from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadGenerate, SafepadPrepareInputs
-from .slot_calls import _mrope, counts_slots, slot_justify, slot_restore, traced_slot_step
+from .plan import ModelPlan, _pretrained_model_class, plan_for
+from .slot_calls import _mrope, slot_justify, slot_restore, traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
 #: Batch key of ``DataCollatorForPackedSSM``'s ``[B, T]`` real-token mask (0 on the pad tail); consumed here.
 REAL_TOKEN_MASK = "real_token_mask"
-
-
-def _pretrained_model_class() -> type | tuple:
-    """transformers' ``PreTrainedModel`` (for ``isinstance``), or ``()`` (matching nothing) without transformers."""
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # noqa: BLE001
-        return ()
-    return PreTrainedModel
 
 
 def install_model_hooks(model: nn.Module) -> None:
@@ -101,61 +90,6 @@ def install_model_hooks(model: nn.Module) -> None:
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
-
-
-@dataclass(frozen=True, eq=False)
-class ModelPlan:
-    """What the model hooks of one wrapped model need to know about it, decided once at wrap time (:func:`plan_for`).
-
-    Read by attribute in the pre-hook and in :mod:`safepad.wrap.slot_calls`; frozen, so a call cannot change it.
-    """
-
-    #: the names of the model forward's parameters, in order (positional arguments are matched to them)
-    params: tuple[str, ...]
-    #: the forward takes ``position_ids``
-    accepts_position_ids: bool
-    #: the forward takes ``**kwargs``
-    var_kwargs: bool
-    #: some patched mixer sits in a hybrid (attention layers beside the recurrent ones)
-    hybrid: bool
-    #: the packed attention-mask kinds the specs ask for (:func:`safepad.wrap.attention_masks.packed_mask_mapping`)
-    packed_attention_mask: tuple[str, ...]
-    #: a spec's refusals of slot layouts its attention cannot serve (Inkling's log scaling)
-    slot_checks: tuple[Callable[..., Any], ...]
-    #: attention that counts cache slots (sliding windows, slot-relative positions, selected key slots): its
-    #: one-token steps always go through slot justification (:mod:`safepad.wrap.slot_calls`)
-    slot_sensitive: bool
-    #: text models that read row 0 of ``[R, B, T]`` position_ids as their text positions, for these R (Qwen3.5: 4;
-    #: Qwen4-Exp: 4 and 1); None: the model reads ``[B, T]`` position_ids only
-    text_position_rows: tuple[int, ...] | None
-    #: a spec whose attention reads slot distances: calls without a cache on rows with holes are re-laid too
-    slot_distances: bool
-    #: modules that transformers may give a checkpoint function (GradientCheckpointingLayer, base models)
-    checkpointed: tuple[nn.Module, ...]
-    #: a top-level forward that gives its attention_mask to the router loss and passes it on to a hooked inner
-    #: model (which drops it on packed calls): it gets the real-token mask of a packed call
-    router_loss_mask: bool
-
-
-def plan_for(target: nn.Module, specs: list) -> ModelPlan:
-    """The :class:`ModelPlan` of ``target``, a model holding mixers patched after ``specs`` (their ``MixerSpec``)."""
-    PreTrainedModel = _pretrained_model_class()
-    params = inspect.signature(target.forward).parameters
-    rows = next((s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None)
-    return ModelPlan(
-        params=tuple(params),
-        accepts_position_ids="position_ids" in params,
-        var_kwargs=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()),
-        hybrid=any(s.hybrid for s in specs),
-        packed_attention_mask=tuple(sorted({k for s in specs for k in s.packed_attention_mask})),
-        slot_checks=tuple(dict.fromkeys(s.options["slot_check"] for s in specs if "slot_check" in s.options)),
-        slot_sensitive=counts_slots(target, specs),
-        text_position_rows=rows,
-        slot_distances=any(s.options.get("slot_distances", False) for s in specs),
-        checkpointed=tuple(m for m in target.modules() if hasattr(m, "gradient_checkpointing")),
-        router_loss_mask=any(s.options.get("router_loss_mask", False) for s in specs)
-        and any(m is not target and isinstance(m, PreTrainedModel) for m in target.modules()),
-    )
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):

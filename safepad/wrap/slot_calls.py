@@ -24,9 +24,9 @@ from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 
 if TYPE_CHECKING:
-    from .hooks import ModelPlan
+    from .plan import ModelPlan
 
-__all__ = ["SlotRecord", "check_traced_cache", "counts_slots", "slot_justify", "slot_restore", "traced_slot_step"]
+__all__ = ["SlotRecord", "check_traced_cache", "slot_justify", "slot_restore", "traced_slot_step"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
@@ -36,7 +36,6 @@ _PADDED_FLAG = "_safepad_padded_slots"
 _RELAID_FLAG = "_safepad_relaid_slots"
 #: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
 #: indexer positions)
-_SLOT_KINDS = frozenset({"attn_conv", "dsa_indexer", "ple"})
 #: ``[B]`` long device tensor on a cache: pad slots per row after an eager decode step re-laid on the device (the
 #: host never read whether the step token was a pad); a later call without an attention_mask checks it
 _PADS_ATTR = "_safepad_slot_pads"
@@ -93,15 +92,6 @@ def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
         return kwargs[name]
     i = params.index(name) if name in params else -1
     return args[i] if 0 <= i < len(args) else None
-
-
-def counts_slots(model: nn.Module, specs) -> bool:
-    """Does ``model``'s attention count cache slots (a sliding window, or a slot-reading mixer kind)?"""
-    if any(s.kind in _SLOT_KINDS or "slot_check" in s.options for s in specs):
-        return True
-    windows = [text_config_value(model, a, None) for a in ("sliding_window", "attention_window_size", "sliding_window_size")]
-    layer_types = text_config_value(model, "layer_types", None) or ()
-    return any(w for w in windows) or any("sliding" in str(t) for t in layer_types)
 
 
 def _decode_step(
