@@ -20,8 +20,10 @@ from torch import Tensor
 
 __all__ = ["CallScope", "device_check", "in_backward", "is_device_check_error", "require", "tracing"]
 
-#: every message a compiled call may raise from :func:`device_check` (recorded when dynamo traces the check)
-_DEVICE_CHECK_MESSAGES: set[str] = set()
+#: what starts the message of a failed :func:`device_check` (a compiled call raises it from inside torch, where no
+#: safepad raise site shows; :func:`is_device_check_error` reads it). A constant: recording the messages at trace
+#: time would be a side effect in traced code (a graph break)
+DEVICE_CHECK_MARK = "safepad check failed: "
 
 T = TypeVar("T")
 
@@ -32,16 +34,15 @@ def tracing() -> bool:
 
 
 def device_check(ok: Tensor, message: str) -> None:
-    """Raise ``RuntimeError(message)`` when the one-element bool tensor ``ok`` is False, without a host sync."""
-    _DEVICE_CHECK_MESSAGES.add(message)
-    torch._assert_async(ok, message)
+    """Raise ``RuntimeError`` (``DEVICE_CHECK_MARK + message``) when the one-element bool tensor ``ok`` is False,
+    without a host sync."""
+    torch._assert_async(ok, DEVICE_CHECK_MARK + message)
 
 
 def is_device_check_error(exc: BaseException) -> bool:
     """Whether ``exc`` is a failed :func:`device_check` of safepad's: compiled code raises it as a ``RuntimeError``
     from inside torch (its raise site is not in safepad), carrying the check's message."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(m in text for m in _DEVICE_CHECK_MESSAGES)
+    return isinstance(exc, RuntimeError) and DEVICE_CHECK_MARK in str(exc)
 
 
 def require(ok: Tensor | bool, message: str) -> None:

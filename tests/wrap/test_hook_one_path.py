@@ -30,10 +30,8 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 def _masks(model, mask: torch.Tensor, T: int, cache, position_ids: torch.Tensor):
     """What generate() hands the forward for a compileable cache: ``mask`` ``[B, S]`` as per-layer-type masks."""
     make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
-    return make(
-        config=model.config, inputs_embeds=torch.empty(mask.shape[0], T, 0), attention_mask=mask, cache=cache,
-        position_ids=position_ids,
-    )
+    # the cache positionally: transformers 5.23 names the parameter past_key_values, 5.24 cache
+    return make(model.config, torch.empty(mask.shape[0], T, 0), mask, cache, position_ids=position_ids)
 
 
 @pytest.mark.parametrize("compiled", [pytest.param(False, id="eager"), pytest.param(True, id="compiled-object")])
