@@ -20,6 +20,7 @@ from torch import nn
 
 from .._config import text_config_value
 from ..cache import CACHE_NAMES, recurrent_only
+from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 
@@ -160,14 +161,14 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
         # unless given), its outputs put back in order, and a loss taken over them (post-hook)
         holes = (
             (plan.hybrid or plan.slot_distances) and past_len == 0 and mask.shape[1] == T and T > 1
-            and _has_holes(m)
+            and bool(has_holes(m).any())
         )
         # generate(use_cache=False) re-feeds the whole sequence and reads each row's next token from its LAST
         # column: rows with pads after real tokens (a right-padded prompt, then new tokens after the pads) are
         # re-laid pads first, and the outputs stay in that order within generate (the mixers' compaction and
         # positions from the mask make each row its tokens alone)
         refed = (
-            generating is not None and past_len == 0 and mask.shape[1] == T and _pads_after_real(m)
+            generating is not None and past_len == 0 and mask.shape[1] == T and bool(pads_after_real(m).any())
             and not module.training and _arg(args, kwargs, params, "labels") is None
         )
         if not (holes or refed):
@@ -411,18 +412,6 @@ def _holds_step_pads(cache) -> bool:
     return False
 
 
-def _pads_after_real(m: torch.Tensor) -> bool:
-    """``m`` ``[B, T]`` bool: some row has a pad after one of its real tokens (right padding or a hole)."""
-    return bool((~m & (m.cumsum(1) > 0)).any())
-
-
-def _has_holes(m: torch.Tensor) -> bool:
-    """``m`` ``[B, T]`` bool: some row has a pad between two real tokens."""
-    after_real = m.cumsum(1) > 0  # [B, T]
-    before_real = m.flip(1).cumsum(1).flip(1) > 0
-    return bool((~m & after_real & before_real).any())
-
-
 def _uncounted(cache) -> bool:
     """A recurrent-only cache that holds states but cannot tell how many tokens it has read."""
     if cache is None or not recurrent_only(cache):
@@ -547,7 +536,7 @@ def _with_real_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs
         return args, kwargs
     if not plan.accepts_position_ids or _mrope(module) or _arg(args, kwargs, params, "position_ids") is not None:
         return args, kwargs
-    if not bool((m[:, 1:] & ~m[:, :-1]).any()):  # no row has a pad before a real token (one host read)
+    if not bool(pads_before_real(m).any()):  # no row has a pad before a real token (one host read)
         return args, kwargs
     named = dict(zip(params, args))
     named.update(kwargs)
