@@ -21,6 +21,7 @@ root; parameters are sharded DTensors. Rank 0 writes ``{"losses", "world_size", 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -113,8 +114,10 @@ def main() -> None:
                 f,
             )
     if world > 1:
+        dist.barrier()  # leave together: rank 0 writes the result while rank 1 would otherwise tear its pairs down
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort prints each thread's Python stack into the test's output
     main()

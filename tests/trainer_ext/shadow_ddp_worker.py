@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -69,6 +70,7 @@ def _case(cid: str, ranks: str, faulty: int | None, steps: int, out: str) -> dic
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:
+    faulthandler.enable()  # a native abort prints each thread's Python stack into the test's captured stderr
     sys.path.insert(0, HERE)
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -82,6 +84,17 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         res["crash"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
+    _teardown()
+
+
+def _teardown() -> None:
+    """Leave together: a rank that exits while its peer's gloo pairs are still open can make the peer abort at exit
+    ("terminate called without an active exception", seen once in CI under load). Trainer never destroys the group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def spawn(world: int, out: str) -> list[dict]:
