@@ -80,3 +80,17 @@ def test_oracle_fails_stock_passes_wrapped(family: str, rule: str, kwargs: dict,
     else:
         with pytest.raises(fuzz.FuzzFailure, match="repro"):
             calls()
+
+
+def test_failure_is_reported_as_drawn_before_shrinking(caplog) -> None:
+    """``make fuzz`` must say what failed the moment it fails: shrinking can take longer than the run has left
+    (the stop-32 60-minute run lost its finding that way). On the stock model the first failing sequence is
+    logged unshrunk, and ``shrink=False`` raises it as drawn."""
+    from safepad.testing.fuzz.core import STATS
+
+    STATS.pop("mamba2 (stock)", None)
+    with caplog.at_level("WARNING", logger="safepad.testing.fuzz"), pytest.raises(fuzz.FuzzFailure, match="repro"):
+        fuzz.run_family("mamba2", examples=20, steps=4, seed=0, wrap=False, shrink=False)
+    drawn = [r.getMessage() for r in caplog.records if "before shrinking" in r.getMessage()]
+    assert len(drawn) == 1 and "mamba2: " in drawn[0] and "s." in drawn[0], drawn
+    assert STATS["mamba2 (stock)"].first_unshrunk is not None

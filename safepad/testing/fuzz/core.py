@@ -100,6 +100,7 @@ class FuzzStats:
     rules: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    first_unshrunk: str | None = None  # the first failing call sequence as drawn, before hypothesis shrinks it
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 

@@ -165,12 +165,12 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
 
 def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
                dtype: torch.dtype = torch.float32, wrap: bool = True, compile_every: int = 0,
-               compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES) -> FuzzStats:
+               compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES, shrink: bool = True) -> FuzzStats:
     """Fuzz ``family``: ``examples`` call sequences of up to ``steps`` calls; ``seed`` fixes the draws (None:
     random). Raises :class:`FuzzFailure` (the shrunk repro) on the first failure. ``wrap=False`` fuzzes the
     stock model (a check of the oracle: it must fail). ``compile_every``, ``compile_modes``: see
-    :func:`machine_for`."""
-    from hypothesis import HealthCheck, settings
+    :func:`machine_for`. ``shrink=False``: raise the failing sequence as drawn (no minutes spent shrinking it)."""
+    from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
     machine = machine_for(family, dtype, wrap, compile_every, compile_modes)
@@ -180,6 +180,7 @@ def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         derandomize=seed is not None, print_blob=True, report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
+        phases=tuple(Phase) if shrink else tuple(p for p in Phase if p is not Phase.shrink),
     )
     log = logging.getLogger("transformers")
     level = log.level

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,8 @@ from .known import KNOWN_DEFECTS, _output_carries_cache
 from .oracle import _Oracle
 
 __all__ = ["Session"]
+
+logger = logging.getLogger(__name__)
 
 _NO_FORWARD = object()
 #: models whose ``forward`` a session compiled: id -> (model, the instance attribute it replaced)
@@ -116,6 +119,9 @@ class Session(_Oracle):
             f"{self.family}: {what}\n--- repro (each call re-checks its outputs; the last one fails) ---\n"
             f"{self.repro()}\n---"
         )
+        if self.stats.first_unshrunk is None:  # shrinking can take minutes: say what failed the moment it does
+            self.stats.first_unshrunk = msg
+            logger.warning("fuzz failure (as drawn, before shrinking):\n%s", msg)
         raise FuzzFailure(msg)
 
     def _skip(self, rule: str, call: dict[str, Any]) -> bool:
