@@ -307,15 +307,18 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
     config's cache, models without ``position_ids`` or with multimodal rotary positions.
     """
     params = plan.params
-    if not plan.accepts_position_ids or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
-        return
-    if "position_ids" in params[: len(args)] or _mrope(module):
-        return
     cache = next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
     use_cache = kwargs.get("use_cache")
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
-    if not wanted or (module.training and not explicit):
+    uncached = not wanted or (module.training and not explicit)
+    if uncached:  # with or without the caller's position_ids: slots, not positions, are what such models count
+        _traced_refuse_slot_holes(module, plan, T, mask, ids)
+    if not plan.accepts_position_ids or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
+        return
+    if "position_ids" in params[: len(args)] or _mrope(module):
+        return
+    if uncached:
         _traced_hole_positions(module, plan, kwargs, T, mask, ids)
         return
     past = 0
@@ -346,18 +349,25 @@ def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: 
         return
     m = mask.to(device=ids.device, dtype=torch.bool)  # [B, T]
     holes = has_holes(m).any()  # [] bool
-    if plan.slot_sensitive:
-        device_check(
-            ~holes,
-            f"{type(module).__name__} under torch.compile: an uncached call whose attention_mask has a pad between "
-            "real tokens (a hole) cannot be re-laid while traced, and this model's attention counts slots (a sliding "
-            "window or slot distances) over row positions. Move each row's pads to one side before the call "
-            "(left or right padding), or make this call eagerly.",
-        )
     arange = torch.arange(T, device=ids.device).expand(m.shape[0], T)  # [B, T]
     if plan.hybrid:  # left pads too, as eager (slot_calls._with_real_positions): the rollout's positions
         holes = holes | pads_before_real(m).any()
     kwargs["position_ids"] = torch.where(holes, (m.long().cumsum(1) - 1).clamp(min=0), arange)  # [B, T]
+
+
+def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, ids: torch.Tensor) -> None:
+    """While dynamo traces an uncached call of a family whose attention counts slots (a sliding window, slot
+    distances, slot log scaling): a row with a hole (a pad between real tokens) needs the eager re-lay, which a
+    traced call cannot do, whether or not the caller passes ``position_ids``: raise on the device. ``mask`` ``[B, T]``."""
+    if mask is None or T < 2 or mask.shape[1] != T or not plan.slot_sensitive:
+        return
+    device_check(
+        ~has_holes(mask.to(device=ids.device, dtype=torch.bool)).any(),
+        f"{type(module).__name__} under torch.compile: an uncached call whose attention_mask has a pad between "
+        "real tokens (a hole) cannot be re-laid while traced, and this model's attention counts slots (a sliding "
+        "window, slot distances or slot-scaled queries) over row positions. Move each row's pads to one side before the call "
+        "(left or right padding), or make this call eagerly.",
+    )
 
 
 def _two_d_mask(mask):
