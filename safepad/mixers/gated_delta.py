@@ -125,6 +125,21 @@ def _output_gate(self, opts, hidden_states: Tensor, z: Tensor | None) -> Tensor:
     return gate  # [B, T, H * Dv]
 
 
+def _rule_inputs(mixed: Tensor) -> Tensor:
+    """The conv output ``[..., conv_dim]`` as the delta rule's input: float64 for half precision on CPU.
+
+    A decode step and the chunked rule evaluate the recurrence in different orders; in float32 they differ by
+    ~1e-7 relative, and where the output is then rounded to bf16 a few values fall on either side of a rounding
+    boundary (one-ulp flips; bf16 Qwen3-Next, GRPO seed 2: 2.0e-3 in log-prob). In float64 (the rule and its
+    cached state) they agree to ~1e-16, and the output is rounded to the model dtype once, after the gated norm.
+    As the Mamba2 mixer's SSD and the CPU attention of half-precision models (docs/limits.md). Elsewhere: as is
+    (the rule computes in float32 and returns the model dtype).
+    """
+    if mixed.dtype in (torch.float16, torch.bfloat16) and mixed.device.type == "cpu":
+        return mixed.double()
+    return mixed
+
+
 def gated_delta_mixer_forward(
     self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs
 ) -> Tensor:
@@ -154,11 +169,11 @@ def gated_delta_mixer_forward(
         conv_t, conv_new = cached_conv_step(
             mixed[:, 0], self.conv1d, past, activation=self.activation, backend=backend
         )  # [B, conv_dim], [B, conv_dim, K]
-        q, k, v = conv_t.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
+        q, k, v = _rule_inputs(conv_t).split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
         state = past.recurrent
         if state is None:
             H = beta.shape[-1]
-            state = mixed.new_zeros(Bsz, H, Dk, Dv, dtype=torch.float32)
+            state = mixed.new_zeros(Bsz, H, Dk, Dv, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
         o, rec_new = gated_delta_rule_step(
             state,
             q.reshape(Bsz, -1, Dk),  # [B, H_k, Dk]
@@ -182,7 +197,7 @@ def gated_delta_mixer_forward(
         mixed, conv_final = cached_conv(
             mixed, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
-        q, k, v = mixed.split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
+        q, k, v = _rule_inputs(mixed).split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
         rule_out = layout_op(layout, chunk_gated_delta_rule)(
             q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
             k.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]

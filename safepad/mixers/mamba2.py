@@ -25,16 +25,25 @@ __all__ = ["mamba2_mixer_forward"]
 
 
 def _scan_inputs(xBC: Tensor) -> Tensor:
-    """The conv output ``[..., conv_dim]`` as the SSD op's input: float32 when the model runs in half precision.
+    """The conv output ``[..., conv_dim]`` as the SSD op's input: wider than the model dtype in half precision.
 
-    Its values are exact in float32, so the op computes the same math, but its output ``y`` then comes back in
-    float32 and is rounded to the model dtype once, after the gated norm (which computes in float32 either
-    way), instead of before it as well. A decode step and the chunked scan differ in float32 by ~1e-7; every
-    extra bf16 rounding of ``y`` turns such differences into one-ulp flips that the norm and ``out_proj``
-    carry to the logits (rollout-vs-training log-prob gap on bf16 Nemotron-H under GRPO: 1e-3 with the extra
-    rounding, 5e-7 without).
+    Its values are exact in the wider type, so the op computes the same math, but its output ``y`` then comes
+    back wide and is rounded to the model dtype once, after the gated norm (which computes in float32 either
+    way), instead of before it as well. A decode step and the chunked scan evaluate the recurrence in different
+    orders; every difference that survives to a bf16 rounding can flip it by one ulp, which the norm and
+    ``out_proj`` carry to the logits (rollout-vs-training log-prob gap under GRPO: 1e-3 on bf16 Nemotron-H with
+    an extra rounding of ``y``).
+
+    * On CUDA: float32, the CUDA kernels' precision (their recurrent state is float32 too).
+    * On CPU (torch core): float64, so the SSD and its cached state are float64. In float32 the two orders
+      still differ by ~1e-7 relative (1 float32 ulp in the median), and about 1 in 10^4 of the gated norm's
+      outputs then rounds to the other bf16 neighbour (bf16 Bamba, GRPO seed 0: 1.0e-3 in log-prob from one such
+      flip); in float64 the two orders agree to ~1e-16 and the rounding to bf16 agrees. As the float64 CPU
+      attention of half-precision models (docs/limits.md, "Half precision on CPU").
     """
-    return xBC.float() if xBC.dtype in (torch.float16, torch.bfloat16) else xBC
+    if xBC.dtype not in (torch.float16, torch.bfloat16):
+        return xBC
+    return xBC.double() if xBC.device.type == "cpu" else xBC.float()
 
 
 def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):

@@ -648,8 +648,11 @@ def causal_conv1d_step(
         return y, new_state
     new_state = torch.cat([conv_state[:, :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=2)  # [B, D, S]
     ct = _compute_dtype(x.dtype, weight.dtype, conv_state.dtype)
-    window = torch.cat([conv_state.to(ct), x.unsqueeze(-1).to(ct)], dim=2)[:, :, -K:]  # [B, D, K]
-    y = (window * weight.to(ct)).sum(-1)  # [B, D]
-    if bias is not None:
-        y = y + bias.to(ct)
-    return _activate(y, activation).to(x.dtype), new_state
+    # the chunked conv's own code on a one-token chunk whose left context is the cached state: the same sums in
+    # the same order and the same SiLU, so a decode step rounds exactly as the full forward does at that token
+    # (a different summation order flipped bf16 outputs by one ulp: rollout-vs-training gap in GRPO)
+    init = conv_state[:, :, S - (K - 1) :].to(ct) if K > 1 else None  # [B, D, K-1]
+    y = _conv_torch(
+        x.unsqueeze(1).to(ct), weight.to(ct), bias.to(ct) if bias is not None else None, None, init, activation
+    )  # [B, 1, D]
+    return y[:, 0].to(x.dtype), new_state
