@@ -35,6 +35,7 @@ from ..cache import (
     cache_post_hook,
     forget_read,
     needs_token_count,
+    output_cache,
 )
 from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
@@ -47,7 +48,7 @@ from ..layout.normalize import (
 )
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
-from .cache_rows import check_cache_rows
+from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
@@ -153,7 +154,10 @@ class _ModelPreHook:
             module._safepad.tokens.append(None)
             return None
         traced = tracing()
+        cache = cache_from_kwargs(kwargs)[1]
+        cover_row_ops(cache)  # its row operations move every state (cache_rows)
         B, T = ids.shape[0], ids.shape[1]
+        check_cache_rows(cache, B)  # a cache of another batch size: name it (eager and traced alike)
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
         if traced:
@@ -161,8 +165,7 @@ class _ModelPreHook:
             # mask); any other call on such a cache raises (slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
-            check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
-            forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
+            forget_read(cache)  # a forward outside generate: generate's record of it is stale
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
             args, kwargs = slot_justify(module, plan, args, kwargs, B, T)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
@@ -392,6 +395,11 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
 
 def _post_hook(module: nn.Module, args, output):
     state = state_of(module)
+    if isinstance(output, tuple):  # return_dict=False: the cache is an element
+        for value in output:
+            cover_row_ops(value if hasattr(value, "layers") else None)
+    elif output is not None:
+        cover_row_ops(output_cache(output))  # a cache built inside the forward: its row operations too
     tokens = state.tokens if state is not None else None
     if tokens:
         token = tokens.pop()
