@@ -2,7 +2,10 @@
 
 Stock transformers code meets a cache of another batch size at its first ``torch.cat`` (Qwen4-Exp's indexer
 position ids: ``Sizes of tensors must match``) or an op's shape check deep inside a mixer. The wrapped model's
-pre-hook asks :func:`check_cache_rows` first and raises naming the cache's rows, the call's rows and the fix.
+pre-hook asks :func:`check_cache_rows` first (eager and traced) and raises naming the cache's rows, the call's rows
+and the fix; an empty cache (after ``reset()``) takes the new rows. :func:`cover_row_ops` makes the cache's row
+operations (``batch_select_indices``, ``batch_repeat_interleave``, ``reorder_cache``) move every state of every
+layer and safepad's per-row facts kept on the cache.
 """
 
 from __future__ import annotations
