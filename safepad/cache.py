@@ -93,8 +93,10 @@ def output_cache(output: Any) -> Any:
 
 def cache_from_kwargs(kwargs: dict) -> tuple[str | None, Any]:
     """``(name, cache)`` of the first cache passed in ``kwargs`` under any of :data:`CACHE_NAMES`."""
+    from ._tracing import kwarg
+
     for name in CACHE_NAMES:
-        if kwargs.get(name) is not None:
+        if kwarg(kwargs, name) is not None:  # read by traced hooks: no guard on the other keys
             return name, kwargs[name]
     return None, None
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from .._config import text_config_value
 from .._state import hooked, module_state, state_of
-from .._tracing import device_check, require, tracing
+from .._tracing import device_check, kwarg, require, tracing
 from ..cache import (
     CACHE_NAMES,
     CachePreHook,
@@ -95,7 +95,7 @@ def install_model_hooks(model: nn.Module) -> None:
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
     for n in names:
-        v = kwargs.get(n)
+        v = kwarg(kwargs, n)
         if isinstance(v, torch.Tensor):
             return v
     for i, a in enumerate(args):
@@ -134,7 +134,7 @@ class _ModelPreHook:
         params = plan.params
         module._safepad.slot_calls.append(None)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
-        real = kwargs.pop(REAL_TOKEN_MASK, None)
+        real = kwargs.pop(REAL_TOKEN_MASK) if kwarg(kwargs, REAL_TOKEN_MASK) is not None else None
         outer = current_context()
         if outer is not None:
             # nested model call (PEFT -> model, VLM -> language model): the outer call decided the boundaries;
@@ -198,7 +198,7 @@ class _ModelPreHook:
             for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
                 if k not in params:
                     kwargs.pop(k, None)
-        cache_requested = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
+        cache_requested = kwargs.get("use_cache") is True or any(kwarg(kwargs, k) is not None for k in CACHE_NAMES)
         if seq_idx is not None and cache_requested:
             # eager: seq_idx holds several sequences in some row (raises); traced: checked on the device
             _require_no_packed_cache(~multi_sequence(seq_idx), source)
@@ -314,7 +314,7 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
         return
     if "position_ids" in params[: len(args)] or _mrope(module):
         return
-    cache = next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
+    cache = cache_from_kwargs(kwargs)[1]
     use_cache = kwargs.get("use_cache")
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
