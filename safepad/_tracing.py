@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["CallScope", "device_check", "in_backward", "is_device_check_error", "require", "tracing"]
+__all__ = ["CallScope", "device_check", "in_backward", "is_device_check_error", "kwarg", "require", "tracing"]
 
 #: what starts the message of a failed :func:`device_check` (a compiled call raises it from inside torch, where no
 #: safepad raise site shows; :func:`is_device_check_error` reads it). A constant: recording the messages at trace
@@ -31,6 +31,18 @@ T = TypeVar("T")
 def tracing() -> bool:
     """True while dynamo traces the calling code (``torch.compile``)."""
     return torch.compiler.is_compiling()
+
+
+def kwarg(kwargs: dict, name: str, default: Any = None) -> Any:
+    """``kwargs.get(name, default)`` that a traced hook guards on ``name`` alone.
+
+    dynamo guards on the whole key set of ``kwargs`` (``len(kwargs) == 7`` and every key) when a key it reads
+    from a variable (a module tuple such as ``CACHE_NAMES``) is missing: the hook then recompiles for every other
+    set of keyword arguments (``output_hidden_states``, ``return_dict``, ...) and falls back to eager at dynamo's
+    recompile limit. ``str(name)`` makes the key a constant of the traced code, for which a missing key is guarded
+    on by itself. (Writing to ``kwargs`` guards on the key set too: a hook writes only what the call needs.)
+    """
+    return kwargs.get(str(name), default)
 
 
 def device_check(ok: Tensor, message: str) -> None:

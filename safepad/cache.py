@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._tracing import CallScope, tracing
+from ._tracing import CallScope, kwarg, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def output_cache(output: Any) -> Any:
 def cache_from_kwargs(kwargs: dict) -> tuple[str | None, Any]:
     """``(name, cache)`` of the first cache passed in ``kwargs`` under any of :data:`CACHE_NAMES`."""
     for name in CACHE_NAMES:
-        if kwargs.get(name) is not None:
+        if kwarg(kwargs, name) is not None:  # read by traced hooks: no guard on the other keys
             return name, kwargs[name]
     return None, None
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from .._config import text_config_value
 from .._state import hooked, module_state, state_of
-from .._tracing import device_check, require, tracing
+from .._tracing import device_check, kwarg, require, tracing
 from ..cache import (
     CACHE_NAMES,
     CachePreHook,
@@ -35,6 +35,7 @@ from ..cache import (
     cache_post_hook,
     forget_read,
     needs_token_count,
+    output_cache,
 )
 from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
@@ -47,7 +48,7 @@ from ..layout.normalize import (
 )
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
-from .cache_rows import check_cache_rows
+from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
@@ -94,7 +95,7 @@ def install_model_hooks(model: nn.Module) -> None:
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
     for n in names:
-        v = kwargs.get(n)
+        v = kwarg(kwargs, n)
         if isinstance(v, torch.Tensor):
             return v
     for i, a in enumerate(args):
@@ -133,7 +134,7 @@ class _ModelPreHook:
         params = plan.params
         module._safepad.slot_calls.append(None)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
-        real = kwargs.pop(REAL_TOKEN_MASK, None)
+        real = kwargs.pop(REAL_TOKEN_MASK) if kwarg(kwargs, REAL_TOKEN_MASK) is not None else None
         outer = current_context()
         if outer is not None:
             # nested model call (PEFT -> model, VLM -> language model): the outer call decided the boundaries;
@@ -153,7 +154,10 @@ class _ModelPreHook:
             module._safepad.tokens.append(None)
             return None
         traced = tracing()
+        cache = cache_from_kwargs(kwargs)[1]
+        cover_row_ops(cache)  # its row operations move every state (cache_rows)
         B, T = ids.shape[0], ids.shape[1]
+        check_cache_rows(cache, B)  # a cache of another batch size: name it (eager and traced alike)
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
         if traced:
@@ -161,8 +165,7 @@ class _ModelPreHook:
             # mask); any other call on such a cache raises (slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
-            check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it
-            forget_read(cache_from_kwargs(kwargs)[1])  # a forward outside generate: generate's record of it is stale
+            forget_read(cache)  # a forward outside generate: generate's record of it is stale
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
             args, kwargs = slot_justify(module, plan, args, kwargs, B, T)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
@@ -195,7 +198,7 @@ class _ModelPreHook:
             for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
                 if k not in params:
                     kwargs.pop(k, None)
-        cache_requested = kwargs.get("use_cache") is True or any(kwargs.get(k) is not None for k in CACHE_NAMES)
+        cache_requested = kwargs.get("use_cache") is True or any(kwarg(kwargs, k) is not None for k in CACHE_NAMES)
         if seq_idx is not None and cache_requested:
             # eager: seq_idx holds several sequences in some row (raises); traced: checked on the device
             _require_no_packed_cache(~multi_sequence(seq_idx), source)
@@ -307,7 +310,7 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
     config's cache, models without ``position_ids`` or with multimodal rotary positions.
     """
     params = plan.params
-    cache = next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
+    cache = cache_from_kwargs(kwargs)[1]
     use_cache = kwargs.get("use_cache")
     explicit = cache is not None or use_cache is True
     wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
@@ -402,6 +405,11 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
 
 def _post_hook(module: nn.Module, args, output):
     state = state_of(module)
+    if isinstance(output, tuple):  # return_dict=False: the cache is an element
+        for value in output:
+            cover_row_ops(value if hasattr(value, "layers") else None)
+    elif output is not None:
+        cover_row_ops(output_cache(output))  # a cache built inside the forward: its row operations too
     tokens = state.tokens if state is not None else None
     if tokens:
         token = tokens.pop()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
-from ..cache import CACHE_NAMES, recurrent_only
+from ..cache import CACHE_NAMES, cache_from_kwargs, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
@@ -325,7 +325,7 @@ def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
     re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
     (Also for a cache only decode steps re-laid, where no row's token may have been a pad: unknown on the host.)
     """
-    cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
+    cache = cache_from_kwargs(kwargs)[1]
     if cache is not None and getattr(cache, _RELAID_FLAG, False):
         raise ValueError(
             f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
@@ -351,7 +351,7 @@ def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T
     A cache no call re-laid is in the caller's layout and is served as it is. Returns the step's token mask
     ``[B, 1]`` bool (a pad step token False) when the step was re-laid, else None.
     """
-    cache = next((c for n in CACHE_NAMES if (c := kwargs.get(n)) is not None), None)
+    cache = cache_from_kwargs(kwargs)[1]
     if cache is None or not getattr(cache, _RELAID_FLAG, False) or recurrent_only(cache):
         return None
     mask = kwargs.get("attention_mask")

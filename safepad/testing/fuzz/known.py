@@ -51,22 +51,6 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "fresh stock model gives the very same numbers (lfm2_vl [9, 9, 9, 9]: 1.19e-4 wrapped and stock, in float64 "
         "as well; a dynamic cache or plain greedy 3e-7), near the tolerance, so a draw crosses it or not",
     ),
-    KnownDefect(
-        "new-6",
-        lambda f, r, c: r in ("select", "repeat") and bool(c.get("partial_op")),
-        "cache.batch_select_indices / batch_repeat_interleave on a cache whose hybrid layers (e.g. falcon_h1's "
-        "LinearAttentionAndFullAttentionLayer) inherit them from transformers' DynamicLayer: only keys and values "
-        "move, the conv / recurrent states keep the old rows (stock is as wrong); a later reorder_cache raises "
-        "IndexError. safepad neither fixes nor refuses it",
-    ),
-    KnownDefect(
-        "new-7",
-        lambda f, r, c: r == "prefill" and bool(c.get("reset")) and str(c.get("compiled", "")).startswith("model:")
-        and c.get("rows") != c.get("stream_rows"),
-        "torch.compile(model): cache.reset() keeps the linear-attention states' batch size, and a compiled prefill "
-        "of a different number of rows into it fails in dynamo ('expand: attempting to expand a dimension of "
-        "length 3 -> 1', kimi_linear); eager passes",
-    ),
 )
 
 
