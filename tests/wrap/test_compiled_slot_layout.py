@@ -1,7 +1,8 @@
 """Padded rows under ``torch.compile``: a compiled one-token step re-lays a justified cache on the device, as an
 eager step does (``safepad.wrap.slot_calls.traced_slot_step``): after an eager right-padded prefill (a re-laid
 cache), and after an eager step whose token is a pad in some row (slot-counting attention re-lays it on the device
-without the host knowing), compiled steps equal each row alone; a compiled call of more tokens on a re-laid cache
+without the host knowing), compiled steps equal each row alone; so do compiled chunks of several tokens (a chunked
+prefill, a verify call), re-laid on the device too; a compiled call on a re-laid cache without the full-length mask
 raises naming the fixes. ``generate`` with a static cache (whose mask it builds itself), compiled or not, lays a
 right-padded prompt pads first before the prefill: right- and left-padded prompts both equal each row alone."""
 
@@ -82,9 +83,72 @@ def test_compiled_steps_on_a_cache_an_eager_call_relaid_equal_alone(family):
     device as eager steps are (raised before: the traced hook did no slot justification)."""
     worst, compiled, chunk = _cached_steps(family, "right", [1, 1])
     assert worst < 1e-4, worst
-    with pytest.raises(Exception, match="re-laid in an eager call") as err:  # two tokens: the host-side reorder
+    chunk.pop("attention_mask")  # without the full-length mask the cached slots' layout is unknown: refused
+    with pytest.raises(Exception, match="re-laid in an eager call") as err:
         compiled(**chunk)
     assert isinstance(err.value, (ValueError, RuntimeError)), type(err.value)
+
+
+#: one family per kind of hybrid cache (attention beside Mamba2, gated delta rule, short convolutions, RG-LRU)
+CHUNK_FAMILIES = [
+    pytest.param(f, id=f) for f in ("nemotron_h", "qwen3_next", "lfm2", "recurrent_gemma")
+]
+
+
+@pytest.mark.parametrize("family", CHUNK_FAMILIES)
+@torch.no_grad()
+def test_compiled_chunk_on_a_relaid_cache_equals_eager_and_alone(family):
+    """``torch.compile(model)`` on a chunked prefill: an eager right-padded prefill re-lays the cache, then a compiled
+    3-token chunk (row 1 right-padded inside the chunk) and a compiled step. The chunk is re-laid on the device
+    (``traced_slot_step``): its real tokens' logits equal the eager chunk's on a copy of the cache and each row alone
+    (stock, no padding, no cache). Raised before ("re-laid in an eager call") on every one of these families."""
+    stock, wrapped = _models(family)
+    rows = prompts((6, 3), seed=5)
+    ids, mask = pad(rows, "right")
+    name = cache_argument(wrapped)
+    cache = DynamicCache(config=wrapped.config)
+    out = wrapped(input_ids=ids, attention_mask=mask, use_cache=True, **{name: cache})
+    cache = output_cache(out) or cache
+    chunk, cmask = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[1, 1, 1], [1, 0, 0]])
+    m = torch.cat([mask, cmask], 1)
+    twin = copy.deepcopy(cache)
+    eager = wrapped(input_ids=chunk, attention_mask=m, use_cache=True, **{name: twin}).logits
+    compiled = torch.compile(wrapped, backend="eager")
+    got = compiled(input_ids=chunk, attention_mask=m, use_cache=True, **{name: cache}).logits
+    real = cmask.bool()
+    assert (got[real] - eager[real]).abs().max().item() < 1e-5
+    seen = [torch.cat([r, c[k]]) for r, c, k in zip(rows, chunk, real)]
+    for i, s in enumerate(seen):
+        n = int(real[i].sum())
+        assert (got[i][real[i]].float() - logits_alone(stock, s)[-n:]).abs().max().item() < 1e-4, i
+    tok, m = torch.tensor([[40], [41]]), torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+    out = compiled(input_ids=tok, attention_mask=m, use_cache=True, **{name: cache})
+    for i, s in enumerate(seen):
+        want = logits_alone(stock, torch.cat([s, tok[i]]))[-1]
+        assert (out.logits[i, -1].float() - want).abs().max().item() < 1e-4, i
+
+
+@torch.no_grad()
+def test_compiled_chunk_after_eager_steps_without_pads_equals_alone():
+    """Eager decode steps mark the cache re-laid (they re-lay on the device whether or not a token is a pad): an
+    unpadded prompt, two eager steps, then a compiled 3-token chunk (an assisted-decoding verify call's shape)
+    equals each row alone. Raised before ("re-laid in an eager call"), though no row ever held a pad."""
+    stock, wrapped = _models("nemotron_h")
+    rows = prompts((4, 4), seed=9)
+    ids = torch.stack(rows)
+    m = torch.ones_like(ids)
+    out = wrapped(input_ids=ids, attention_mask=m, use_cache=True)
+    cache, seen = out.past_key_values, list(rows)
+    for t in (11, 12):
+        tok, m = torch.full((2, 1), t), torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+        cache = wrapped(input_ids=tok, attention_mask=m, past_key_values=cache, use_cache=True).past_key_values
+        seen = [torch.cat([s, k]) for s, k in zip(seen, tok)]
+    chunk, m = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.cat([m, torch.ones(2, 3, dtype=m.dtype)], 1)
+    got = torch.compile(wrapped, backend="eager")(input_ids=chunk, attention_mask=m, past_key_values=cache,
+                                                   use_cache=True).logits  # fmt: skip
+    for i, s in enumerate(seen):
+        want = logits_alone(stock, torch.cat([s, chunk[i]]))[-3:]
+        assert (got[i].float() - want).abs().max().item() < 1e-4, i
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in ("inkling2_text", "recurrent_gemma")])
