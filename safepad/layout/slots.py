@@ -284,7 +284,8 @@ class SlotJustifiedCall:
         self.past_len, self.T = past_len, 1
         self.full_mask = full_mask  # [B, L + 1]
         self.n_past = full_mask[:, :past_len].sum(1)  # [B]
-        self.n_new = full_mask[:, past_len].long()  # [B]: 1 for a real step token, 0 for a pad
+        # (the last column: indexing with past_len, a symbolic size under dynamic shapes, would specialise it)
+        self.n_new = full_mask[:, -1].long()  # [B]: 1 for a real step token, 0 for a pad
         self.past_slots = justified_mask(self.n_past, past_len)  # [B, L]: the cache rows are [pads | reals]
         self.mask = justified_mask(self.n_past + self.n_new, past_len + 1)  # [B, L + 1]
         self.token_mask = full_mask[:, past_len:]  # [B, 1]

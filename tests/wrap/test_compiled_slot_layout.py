@@ -152,3 +152,43 @@ def test_compiled_chunk_after_eager_steps_without_pads_equals_alone():
     for i, s in enumerate(seen):
         want = logits_alone(stock, torch.cat([s, chunk[i]]))[-3:]
         assert (got[i].float() - want).abs().max().item() < 1e-4, i
+
+
+def _dynamic_decode_frames(model, ref, rows, side: str, steps: int = 4) -> list[int]:
+    """``torch.compile(model, dynamic=True)``: an eager ``side``-padded prefill of ``rows``, then ``steps`` compiled
+    one-token steps, each row's logits checked against the row alone (``ref``: stock, no cache; None: unchecked, for
+    stock itself, whose cached step skips the ``time_step_limit`` clamp). Returns the frames dynamo has compiled
+    after each step."""
+    from torch._dynamo.utils import counters
+
+    ids, mask = pad(rows, side)
+    name = cache_argument(model)
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{name: cache})
+    cache = output_cache(out) or cache
+    compiled = torch.compile(model, backend="eager", dynamic=True)
+    counters.clear()
+    frames, seen, m = [], list(rows), mask
+    for j in range(steps):
+        tok, m = torch.tensor([[13 + j], [23 + j]]), torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+        out = compiled(input_ids=tok, attention_mask=m, use_cache=True, **{name: cache})
+        cache = output_cache(out) or cache
+        frames.append(counters["stats"]["unique_graphs"])
+        seen = [torch.cat([s, t]) for s, t in zip(seen, tok)]
+        for i, s in enumerate(seen if ref is not None else ()):
+            assert (out.logits[i, -1].float() - logits_alone(ref, s)[-1]).abs().max().item() < 1e-4, (j, i)
+    return frames
+
+
+@torch.no_grad()
+def test_dynamic_compiled_decode_on_a_relaid_cache_recompiles_no_more_than_stock():
+    """``torch.compile(model, dynamic=True)`` decode steps after a right-padded prefill (a re-laid cache): every
+    frame compiles in the first step and none after it, as stock's on an unpadded cache (the wrapped model's frame
+    count is higher by the hook frames dynamo compiles apart from the forward: ``torch.compile(model)`` runs
+    ``Module.__call__`` itself uncompiled). Before, the step's re-lay indexed the mask at ``past_len`` (a symbolic
+    size), which specialised the mask's length: one recompile per step (frames 3, 4, 5, 6)."""
+    stock, wrapped = _models("nemotron_h")
+    want = _dynamic_decode_frames(stock, None, prompts((6, 6), seed=5), "right")
+    dynamo.reset()
+    got = _dynamic_decode_frames(wrapped, stock, prompts((6, 3), seed=5), "right")
+    assert got[-1] - got[0] <= want[-1] - want[0] == 0, (got, want)
