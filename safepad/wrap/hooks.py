@@ -49,7 +49,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .generate import SafepadGenerate, SafepadPrepareInputs
+from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import _mrope, slot_justify, slot_restore, traced_slot_step
 
@@ -87,6 +87,10 @@ def install_model_hooks(model: nn.Module) -> None:
         # every cache, keep on it what it has read, so a reused one raises instead of continuing from other tokens
         if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
             target.generate = SafepadGenerate(target, track=recurrent)
+        if callable(getattr(type(target), "get_compiled_call", None)):
+            # transformers compiles model.__call__ for generate's decode steps, whose hooks dynamo then compiles as
+            # frames of their own: compile a call from safepad's frame, one frame with the hooks (SafepadCompiledCall)
+            target.__dict__.setdefault("get_compiled_call", SafepadCompiledCall(target))
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
