@@ -359,7 +359,8 @@ def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T
         return None
     mask = kwargs.get("attention_mask")
     shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    if shaped and not any(isinstance(kwargs.get(n), torch.Tensor) for n in _PACKED_NAMES) and _plain_dynamic_cache(cache):
+    packed = any(isinstance(kwargs.get(n), torch.Tensor) for n in _PACKED_NAMES)
+    if shaped and not packed and _plain_dynamic_cache(cache):
         past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
         if past_len > 0 and mask.shape[1] == past_len + T:
             return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
