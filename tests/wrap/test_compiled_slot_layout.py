@@ -192,3 +192,28 @@ def test_dynamic_compiled_decode_on_a_relaid_cache_recompiles_no_more_than_stock
     dynamo.reset()
     got = _dynamic_decode_frames(wrapped, stock, prompts((6, 3), seed=5), "right")
     assert got[-1] - got[0] <= want[-1] - want[0] == 0, (got, want)
+
+
+@torch.no_grad()
+def test_compiled_generate_traces_the_hooks_into_the_forward_frame():
+    """``generate(compile_config=...)`` compiles as many frames as stock's (1): the wrapped ``get_compiled_call``
+    compiles the model call from a frame dynamo traces, so the hooks join the forward's frame. transformers' own
+    compiles ``model.__call__``, whose hooks dynamo compiled as frames of their own (2 frames before), the
+    pre-hook's guarded on the mask's length (a recompile more than stock per new prompt length).
+    The tokens equal each row alone."""
+    from torch._dynamo.utils import counters
+
+    stock, wrapped = _models("nemotron_h")
+    rows = prompts((6, 4), seed=7)
+    ids, mask = pad(rows, "left")  # (stock's own tokens are right on left pads)
+    frames = []
+    for model in (stock, wrapped):
+        dynamo.reset()
+        counters.clear()
+        got = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, cache_implementation="static",
+                             compile_config=_compile_config(), **gen_kwargs(2))  # fmt: skip
+        frames.append(counters["stats"]["unique_graphs"])
+        for i, r in enumerate(rows):
+            want, _ = greedy_alone(stock, r, 2)
+            assert torch.equal(got[i, ids.shape[1] :], want), (i, got[i].tolist(), want.tolist())
+    assert frames[1] <= frames[0], f"wrapped compiled {frames[1]} frames, stock {frames[0]}"
