@@ -161,8 +161,9 @@ class _ModelPreHook:
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
         if traced:
-            # a one-token step re-lays a cache an eager call re-laid on the device, as eager steps do ([B, 1] token
-            # mask); any other call on such a cache raises (slot_calls.check_traced_cache)
+            # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
+            # ([B, T] token mask, a chunk reordered pads first); any other call on such a cache raises
+            # (slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             check_cache_rows(cache_from_kwargs(kwargs)[1], B)  # a cache of another batch size: name it

@@ -89,9 +89,10 @@ def test_compiled_steps_on_a_cache_an_eager_call_relaid_equal_alone(family):
     assert isinstance(err.value, (ValueError, RuntimeError)), type(err.value)
 
 
-#: one family per kind of hybrid cache (attention beside Mamba2, gated delta rule, short convolutions, RG-LRU)
+#: one family per kind of hybrid cache (attention beside Mamba2, gated delta rule, short convolutions, RG-LRU,
+#: a dynamic convolution with slot-distance attention)
 CHUNK_FAMILIES = [
-    pytest.param(f, id=f) for f in ("nemotron_h", "qwen3_next", "lfm2", "recurrent_gemma")
+    pytest.param(f, id=f) for f in ("nemotron_h", "qwen3_next", "lfm2", "recurrent_gemma", "inkling2_text")
 ]
 
 
