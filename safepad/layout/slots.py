@@ -213,6 +213,8 @@ class SlotJustifiedCall:
         past_slots: ``[B, L]`` bool, which cached slots hold real tokens, where the cache rows are laid out as the
             caller's mask says (a cache no call has re-laid: after a one-token step with a pad, a row is
             ``[reals | pad]``); None: the cache rows are justified (``[pads | reals]``, ``n_past`` real ones).
+        on_device: decide a chunk of several tokens without a host read (a traced call): it is always reordered
+            and its cached slots always re-laid (each the identity where nothing moves); ``noop`` is False.
 
     Attributes:
         order: ``[B, T]`` long, ``x_new[:, i] = x[:, order[:, i]]``, or None when the chunk needs no reordering.
@@ -225,7 +227,9 @@ class SlotJustifiedCall:
             rows whose step token is a pad).
     """
 
-    def __init__(self, full_mask: Tensor, past_len: int, past_slots: Tensor | None = None):
+    def __init__(
+        self, full_mask: Tensor, past_len: int, past_slots: Tensor | None = None, on_device: bool = False
+    ):
         B, total = full_mask.shape
         T = total - past_len
         if T == 1:  # a decode step: every decision on the device (no host read); its cache rows are justified
@@ -240,6 +244,9 @@ class SlotJustifiedCall:
         self.n_new = cur.sum(1)  # [B]
         self.mask = justified_mask(self.n_past + self.n_new, total)  # [B, L + T]
         self.token_mask = justified_mask(self.n_new, T)  # [B, T]: the current tokens, reordered
+        if on_device:
+            self._init_on_device(cur, past_slots)
+            return
         self.noop = bool(torch.equal(self.mask, full_mask))
         already = bool(torch.equal(cur, justified_mask(self.n_new, T)))
         self.order = None if already else pads_first_order(cur)  # [B, T]
@@ -256,13 +263,29 @@ class SlotJustifiedCall:
         #: ``[K, B, T]`` stored positions of the cached slots moved into the chunk's columns (set by install)
         self.moved_positions: Tensor | None = None
 
+    def _init_on_device(self, cur: Tensor, past_slots: Tensor | None) -> None:
+        """A chunk of several tokens decided without a host read (a traced call): the chunk is always reordered
+        (the identity where a row is already ``[pads | reals]``) and the cached slots always re-laid when there
+        are some (:func:`justify_kv`'s gather, the identity where nothing moves); ``noop`` is False.
+        ``cur`` ``[B, T]`` bool: the chunk's columns of the caller's mask."""
+        self.noop = False
+        self.order = pads_first_order(cur)  # [B, T]
+        self.inverse = torch.argsort(self.order, dim=1)  # [B, T]
+        justified_past = justified_mask(self.n_past, self.past_len)  # [B, L]
+        self.past_slots = justified_past if past_slots is None else past_slots.to(torch.bool)  # [B, L]
+        self.relay = self.past_len > 0
+        self.decode = False
+        self._cache = None
+        self.moved_positions = None
+
     def _init_step(self, full_mask: Tensor, past_len: int) -> None:
         """One token: it needs no reordering; the mask and pad counts are device tensors, and the cached slots
         are re-laid whenever there are some (:func:`justify_kv` moves only the rows whose step token is a pad)."""
         self.past_len, self.T = past_len, 1
         self.full_mask = full_mask  # [B, L + 1]
         self.n_past = full_mask[:, :past_len].sum(1)  # [B]
-        self.n_new = full_mask[:, past_len].long()  # [B]: 1 for a real step token, 0 for a pad
+        # (the last column: indexing with past_len, a symbolic size under dynamic shapes, would specialise it)
+        self.n_new = full_mask[:, -1].long()  # [B]: 1 for a real step token, 0 for a pad
         self.past_slots = justified_mask(self.n_past, past_len)  # [B, L]: the cache rows are [pads | reals]
         self.mask = justified_mask(self.n_past + self.n_new, past_len + 1)  # [B, L + 1]
         self.token_mask = full_mask[:, past_len:]  # [B, 1]

@@ -27,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._tracing import require
 from ..cache import read_states, write_states
 from ..ops.dynamic_conv import dynamic_causal_conv1d
 from ..layout.masks import normalize_mask, pads_after_real
@@ -44,12 +45,13 @@ def _taps(self, dynamic_input: Tensor) -> Tensor:
     return (static + dyn).reshape(B, T, -1, K)  # [B, T, H, D / H, K] -> [B, T, D, K]
 
 
-def _only_left_pads(conv_mask: Tensor | None, shape) -> bool:
-    """True when every row's pads (if any) precede all its real tokens."""
+def _only_left_pads(conv_mask: Tensor | None, shape) -> Tensor | bool:
+    """True (a ``[]`` bool tensor, or a Python bool without a mask) when every row's pads precede all its real
+    tokens; read with :func:`safepad._tracing.require` (on the device while traced: no graph break)."""
     m = normalize_mask(conv_mask, tuple(shape))
     if m is None:
         return True
-    return not bool(pads_after_real(m).any())  # no real -> pad step anywhere
+    return ~pads_after_real(m).any()  # no real -> pad step anywhere
 
 
 def attention_conv_forward(
@@ -77,13 +79,14 @@ def attention_conv_forward(
     else:
         x, layout = prepare_layout(self, x, conv_mask, cache, kwargs)
     mask = layout.mask
-    if cache is not None and mask is not None and x.shape[1] > 1 and not _only_left_pads(conv_mask, x.shape[:2]):
-        raise ValueError(
+    if cache is not None and mask is not None and x.shape[1] > 1:
+        require(
+            _only_left_pads(conv_mask, x.shape[:2]),
             f"{type(self).__name__} (layer {layer}): a padded row whose pads are not all on the left (right padding "
             "or holes) came with a cache, but not through a wrapped model's forward. This model's attention takes "
             "its relative positions from cache slots, which safepad keeps right only at the model call (it re-lays "
             "the cache there). Call the safepad-wrapped model (not its layers), pad on the left, or call without a "
-            "cache."
+            "cache.",
         )
     if mask is not None:
         x = x * mask[..., None].to(x.dtype)  # pads contribute nothing

@@ -40,7 +40,7 @@ from ..layout.slots import pads_first_order
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SafepadGenerate", "SafepadPrepareInputs"]
+__all__ = ["SafepadCompiledCall", "SafepadGenerate", "SafepadPrepareInputs"]
 
 
 def _tokens_read(cache: Any) -> int | None:
@@ -415,3 +415,38 @@ class SafepadGenerate:
         implementation = kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None))
         return bool(use_cache) and implementation is None and fresh_cache_is_recurrent_only(model.config)
 
+
+
+class _CallModel:
+    """``model(*args, **kwargs)`` from a frame of safepad's own, which dynamo traces (``Module.__call__`` itself it
+    runs uncompiled, compiling the hooks and the forward as separate frames, each guarded on the inputs it reads:
+    the pre-hook's frame then recompiles for every new mask length under ``dynamic=False``). Traced from here, the
+    model call, its hooks included, is one frame, as stock's call without hooks."""
+
+    __slots__ = ("model",)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+
+class SafepadCompiledCall:
+    """``model.get_compiled_call`` of a wrapped model (transformers' compiled decode steps in ``generate``): the
+    same compiled callable and cache of it as transformers' own, of :class:`_CallModel` instead of
+    ``model.__call__``, so that the hooks compile into the forward's frame."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, compile_config: Any = None) -> Any:
+        model = self.model
+        if "llama4" in model.config.model_type:  # (transformers' own exception: the uncompiled call)
+            return model.__call__
+        compile_config = compile_config or model._default_compile_config()
+        default = getattr(model.generation_config, "compile_config", None) or model._default_compile_config()
+        if not hasattr(model, "_compiled_call") or getattr(model, "_last_compile_config", default) != compile_config:
+            model._last_compile_config = compile_config
+            model._compiled_call = torch.compile(_CallModel(model), **compile_config.to_dict())
+        return model._compiled_call

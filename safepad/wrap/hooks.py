@@ -50,7 +50,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .generate import SafepadGenerate, SafepadPrepareInputs
+from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import _mrope, slot_justify, slot_restore, traced_slot_step
 
@@ -88,6 +88,10 @@ def install_model_hooks(model: nn.Module) -> None:
         # every cache, keep on it what it has read, so a reused one raises instead of continuing from other tokens
         if callable(getattr(type(target), "generate", None)) and "generate" not in target.__dict__:
             target.generate = SafepadGenerate(target, track=recurrent)
+        if callable(getattr(type(target), "get_compiled_call", None)):
+            # transformers compiles model.__call__ for generate's decode steps, whose hooks dynamo then compiles as
+            # frames of their own: compile a call from safepad's frame, one frame with the hooks (SafepadCompiledCall)
+            target.__dict__.setdefault("get_compiled_call", SafepadCompiledCall(target))
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
@@ -161,8 +165,9 @@ class _ModelPreHook:
         check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
         if traced:
-            # a one-token step re-lays a cache an eager call re-laid on the device, as eager steps do ([B, 1] token
-            # mask); any other call on such a cache raises (slot_calls.check_traced_cache)
+            # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
+            # ([B, T] token mask, a chunk reordered pads first); any other call on such a cache raises
+            # (slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             forget_read(cache)  # a forward outside generate: generate's record of it is stale

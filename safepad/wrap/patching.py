@@ -23,7 +23,7 @@ from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_mo
 from ..specs.unsupported import unsupported_reason
 from .attention import restore_sdpa, use_upcast_sdpa
 from .checkpoint import _CheckpointWithContext
-from .generate import SafepadGenerate, SafepadPrepareInputs
+from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .hooks import install_model_hooks
 
 logger = logging.getLogger(__name__)
@@ -200,5 +200,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             del module.__dict__["generate"]
         if isinstance(module.__dict__.get("prepare_inputs_for_generation"), SafepadPrepareInputs):
             del module.__dict__["prepare_inputs_for_generation"]
+        if isinstance(module.__dict__.get("get_compiled_call"), SafepadCompiledCall):
+            del module.__dict__["get_compiled_call"]
     restore_sdpa(model)
     return model

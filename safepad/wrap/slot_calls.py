@@ -33,7 +33,7 @@ _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
 #: marks a cache whose rows an eager call re-laid (pads moved, or a decode step's device re-lay): its later calls
-#: are re-laid too; traced, a one-token step re-lays it on the device and longer calls refuse it (traced_slot_step)
+#: are re-laid too, traced ones on the device (traced_slot_step)
 _RELAID_FLAG = "_safepad_relaid_slots"
 #: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
 #: indexer positions)
@@ -317,22 +317,25 @@ def _ask_for_model_output(module: nn.Module, plan: ModelPlan, named: dict, recor
 
 
 def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
-    """While dynamo traces a cached call that is not a one-token step (:func:`traced_slot_step`): refuse a cache
+    """While dynamo traces a cached call that :func:`traced_slot_step` cannot re-lay on the device: refuse a cache
     whose rows an eager call re-laid.
 
-    A traced chunk cannot be re-laid (the chunk's reorder is decided from mask values on the host), so its mask
-    and positions would address the caller's layout while the cache holds the justified one, silently wrong. A
-    re-laid cache carries a Python attribute (set by :func:`slot_restore`), read here at trace time.
-    (Also for a cache only decode steps re-laid, where no row's token may have been a pad: unknown on the host.)
+    The device re-lay needs the full-length 2-D ``attention_mask`` (the cached tokens plus the new ones: which of
+    the cached slots are real) and a cache whose layers concatenate onto their keys (a ``DynamicCache``'s, re-laid
+    in place). Without either, the call's mask and positions would address the caller's layout while the cache holds
+    the justified one, silently wrong. A re-laid cache carries a Python attribute (set by :func:`slot_restore`),
+    read here at trace time. (Also for a cache only decode steps re-laid, where no row's token may have been a pad:
+    unknown on the host.)
     """
     cache = cache_from_kwargs(kwargs)[1]
     if cache is not None and getattr(cache, _RELAID_FLAG, False):
         raise ValueError(
             f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
-            "padding after real tokens, e.g. right padding), and a compiled call of more than one token cannot keep "
-            "that layout, so its result would be wrong. Continue it with one-token compiled steps (each with the "
-            "full-length attention_mask, as generate() passes), or make this call eagerly "
-            "(torch.compiler.set_stance('force_eager')), or pad prompts on the left (tokenizer.padding_side = 'left')."
+            "padding after real tokens, e.g. right padding), and this compiled call cannot keep that layout, so its "
+            "result would be wrong: a compiled call on it needs the full-length 2-D attention_mask (the cached tokens "
+            "plus the new ones, as generate() passes) and a DynamicCache (the default). Pass them, or make this call "
+            "eagerly (torch.compiler.set_stance('force_eager')), or pad prompts on the left "
+            "(tokenizer.padding_side = 'left')."
         )
 
 
@@ -341,25 +344,26 @@ def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T
 
     A cache that an eager call re-laid (a chunk with padding after real tokens, or a decode step, which re-lays on
     the device whether or not its token is a pad; a Python mark read at trace time) holds every row
-    ``[pads | real tokens]``, unlike the caller's mask:
+    ``[pads | real tokens]``, unlike the caller's mask. A call of ``T`` tokens with a 2-D ``attention_mask``
+    ``[B, L + T]`` over a ``DynamicCache`` holding ``L`` slots is re-laid on the device as eager calls are
+    (:class:`SlotJustifiedCall`, every decision a device tensor, :func:`_traced_relay`): a one-token step, and a
+    chunk of several tokens (a chunked prefill, an assisted-decoding verify call), which is always reordered pads
+    first and put back in the caller's order by the post-hook. ``kwargs`` is updated in place. Any other call on
+    such a cache raises (:func:`check_traced_cache`).
 
-    * a one-token step (a 2-D ``attention_mask`` ``[B, L + 1]`` over a ``DynamicCache`` holding ``L`` slots) runs the
-      eager step's device re-lay (:class:`SlotJustifiedCall`, ``T == 1``: every decision a device tensor), with
-      the justified mask and, when none are given, each row's real positions; ``kwargs`` is updated in place;
-    * any other call on it raises (:func:`check_traced_cache`).
-
-    A cache no call re-laid is in the caller's layout and is served as it is. Returns the step's token mask
-    ``[B, 1]`` bool (a pad step token False) when the step was re-laid, else None.
+    A cache no call re-laid is in the caller's layout and is served as it is. Returns the call's token mask
+    ``[B, T]`` bool (in the justified order) when the call was re-laid, else None.
     """
     cache = cache_from_kwargs(kwargs)[1]
     if cache is None or not getattr(cache, _RELAID_FLAG, False) or recurrent_only(cache):
         return None
     mask = kwargs.get("attention_mask")
-    step = T == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    if step and _plain_dynamic_cache(cache):
+    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
+    packed = any(isinstance(kwargs.get(n), torch.Tensor) for n in _PACKED_NAMES)
+    if shaped and not packed and _plain_dynamic_cache(cache):
         past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
-        if past_len > 0 and mask.shape[1] == past_len + 1:
-            return _traced_step(module, plan, kwargs, cache, mask, B, past_len)
+        if past_len > 0 and mask.shape[1] == past_len + T:
+            return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
     check_traced_cache(module, kwargs)
     return None
 
@@ -375,24 +379,56 @@ def _plain_dynamic_cache(cache) -> bool:
     return bool(held) and all(_plain_dynamic(layer) for layer in held)
 
 
-def _traced_step(module: nn.Module, plan: ModelPlan, kwargs: dict, cache, mask: torch.Tensor, B: int, past_len):
-    """The eager one-token step of :func:`slot_justify` while traced (every decision a device tensor)."""
+def _traced_relay(
+    module: nn.Module, plan: ModelPlan, kwargs: dict, cache, mask: torch.Tensor, B: int, T: int, past_len
+) -> torch.Tensor:
+    """The eager re-lay of :func:`slot_justify` while traced (every decision a device tensor), for ``T`` tokens.
+
+    ``mask`` ``[B, L + T]``. A one-token step needs no reorder. A chunk is reordered pads first (``[B, T, ...]``
+    inputs, ``position_ids`` ``[B, T]`` / ``[K, B, T]``), its outputs put back in the caller's order by the
+    post-hook (:func:`slot_restore`), with ``logits_to_keep`` and a loss over ``labels`` applied there, as eager.
+    (The stack cannot be read while traced: a call inside generate() is served as one outside it, whose given
+    positions are kept, generate's own counting each row's real tokens, and whose outputs are put back in the
+    caller's order; a one-token step's other outputs need no restoring.)
+    """
     m = mask.to(torch.bool)
-    call = SlotJustifiedCall(m, past_len)  # T == 1: justified mask, pad counts and re-lay on the device
+    call = SlotJustifiedCall(m, past_len, on_device=True)  # justified mask, pad counts, order, re-lay: on the device
     for check in plan.slot_checks:
         check(module, call.mask)
-    # (the stack cannot be read while traced: a step inside generate() is served as one outside it, whose given
-    # positions are kept (generate's own, cumsum(mask) - 1, count each row's real tokens) and whose attention
-    # weights are put in the caller's columns; a step's other outputs need no restoring)
-    record = SlotRecord(None, (B, 1), None, bool(getattr(cache, _PADDED_FLAG, False)))
-    record.pads = call.pads()  # [B]
+    record = SlotRecord(None, (B, T), None, bool(getattr(cache, _PADDED_FLAG, False)))
+    record.pads = call.pads()  # [B]: pad slots per row (unknown on the host; read by a later call without a mask)
     record.cache = cache
     module._safepad.slot_calls[-1] = record
     position_ids = kwargs.get("position_ids")
     if plan.accepts_position_ids and position_ids is None and not _mrope(module):
-        kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, 1]: the row's cached real tokens
-    kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + 1]
-    if _attentions_wanted(module, kwargs):
+        kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
+    elif T > 1 and isinstance(position_ids, torch.Tensor):
+        if position_ids.dim() == 3 and position_ids.shape[2] == T and position_ids.shape[1] in (1, B):
+            kwargs["position_ids"] = call.reorder(position_ids.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
+        elif position_ids.dim() == 2 and position_ids.shape[1] == T and position_ids.shape[0] in (1, B):
+            kwargs["position_ids"] = call.reorder(position_ids)  # [B, T]
+    if T > 1:
+        labels = kwargs.get("labels")
+        if labels is not None:
+            if not callable(getattr(module, "loss_function", None)):
+                raise ValueError(
+                    f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, "
+                    "and no loss_function to score the caller's row with: compute the loss without a cache "
+                    "(use_cache=False), or pad on the left."
+                )
+            record.labels = kwargs.pop("labels")
+            record.loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch",) if kwargs.get(k) is not None}
+        for name, value in list(kwargs.items()):
+            if name in ("attention_mask", "position_ids") or not isinstance(value, torch.Tensor) or value.dim() < 2:
+                continue
+            if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
+                kwargs[name] = call.reorder(value)
+        keep = kwargs.get("logits_to_keep")
+        if "logits_to_keep" in kwargs and not (isinstance(keep, int) and keep == 0):
+            kwargs["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
+            record.keep = keep
+    kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + T]
+    if T > 1 or _attentions_wanted(module, kwargs):
         _ask_for_model_output(module, plan, kwargs, record)
     call.install(cache)
     if isinstance(kwargs.get("position_ids"), torch.Tensor):

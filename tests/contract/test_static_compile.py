@@ -23,7 +23,10 @@ every family. Measured with ``all`` (CPU, dynamo ``eager``): both compiled-gener
 (Qwen4-Exp: stock raises a data-dependent guard error under fullgraph, and so does the wrapped model). On the 8
 families in :data:`STOCK_RECOMPILES` stock recompiles for the shorter prompt even when it is left-padded (where its
 tokens are right): there the wrapped model's second, right-padded generate must compile no more frames than stock's
-left-padded one (``static_recompiles_as_stock_left``), a strict xfail on Nemotron-H Omni (:data:`KNOWN`).
+left-padded one (``static_recompiles_as_stock_left``). (Nemotron-H Omni compiled 2 frames there where stock compiles
+1: transformers compiles ``model.__call__``, whose hooks dynamo compiled as a frame of their own, guarded on the
+mask's length; the wrapped model's ``get_compiled_call`` compiles one frame with the hooks,
+``safepad.wrap.generate.SafepadCompiledCall``.)
 """
 
 from __future__ import annotations
@@ -217,13 +220,7 @@ STOCK_RECOMPILES = frozenset(
 
 
 #: (family, property) -> why it is a strict xfail (run with SAFEPAD_CONTRACT_COMPILE=all; tokens are right)
-KNOWN: dict[tuple[str, str], str] = {
-    ("nemotron_h_omni", "static_no_recompile_smaller_length"): (
-        "the wrapped second generate compiles 2 frames where stock's left-padded one compiles 1 (the same with left "
-        "pads wrapped): a second compiled frame, guarded on the attention_mask's length (7 / 8, then 6), that "
-        "stock's single frame does not have"
-    ),
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _property(family: str, name: str):
