@@ -159,8 +159,11 @@ def gated_delta_mixer_forward(
     mixed, z, b, a = _project_qkv(self, opts, hidden_states)  # [B, T, conv_dim]
     conv_dim = mixed.shape[-1]
     key_dim = getattr(self, opts.get("key_dim", "key_dim"))  # H_k * Dk
-    beta = _beta(self, opts, hidden_states, b)  # [B, T, H]
-    g = _decay(self, opts, hidden_states, a)  # [B, T, H] or [B, T, H, Dk]
+    # the delta rule permutes beta and g too: their gradients come back permuted, and under AOT autograd the
+    # backward of the projection they came from replays a ``view`` (qwen4_exp: softplus_backward viewed as
+    # [B * T, H] failed under torch.compile(model, backend="aot_eager")). See _ContiguousGrad
+    beta = _ContiguousGrad.apply(_beta(self, opts, hidden_states, b))  # [B, T, H]
+    g = _ContiguousGrad.apply(_decay(self, opts, hidden_states, a))  # [B, T, H] or [B, T, H, Dk]
 
     past = read_states(cache, self.layer_idx)
     decode = past.has_previous and T == 1

@@ -234,3 +234,14 @@ def test_prefill_of_other_rows_into_a_reset_cache(family: str, compiled: bool) -
     finally:
         s.close()
     assert s.stats.refused == refused, s.repro()
+
+
+# torch.compile(model, backend="aot_eager"), a loss with backward on qwen4_exp: the compiled backward replayed a
+# ``view`` on the decay's permuted gradient ("view size is not compatible", softplus_backward viewed as [B * T, H];
+# the 60-minute make fuzz of stop 33). beta / g now pass their gradients back contiguous, as q ... z already did
+@pytest.mark.parametrize("family", [_param("qwen4_exp_text", id="qwen4_exp_text")])
+def test_compiled_backward_of_the_decay_gradient(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.compile(mode="model", backend="aot_eager")
+    s.forward([[231, 132, 236, 19, 85, 135], [127, 117, 49, None, None, 208]], position_ids=True, labels=True,
+              backward=True)
