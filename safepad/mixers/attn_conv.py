@@ -27,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from .._tracing import require
 from ..cache import read_states, write_states
 from ..ops.dynamic_conv import dynamic_causal_conv1d
 from ..layout.masks import normalize_mask, pads_after_real
@@ -42,14 +43,6 @@ def _taps(self, dynamic_input: Tensor) -> Tensor:
     dyn = self.weight_proj(dynamic_input).float().view(B, T, H, 1, K)  # [B, T, H, 1, K]
     static = self.static_weight.float().T.reshape(H, -1, K)  # [K, D] -> [H, D / H, K]
     return (static + dyn).reshape(B, T, -1, K)  # [B, T, H, D / H, K] -> [B, T, D, K]
-
-
-def _only_left_pads(conv_mask: Tensor | None, shape) -> bool:
-    """True when every row's pads (if any) precede all its real tokens."""
-    m = normalize_mask(conv_mask, tuple(shape))
-    if m is None:
-        return True
-    return not bool(pads_after_real(m).any())  # no real -> pad step anywhere
 
 
 def attention_conv_forward(
@@ -77,13 +70,17 @@ def attention_conv_forward(
     else:
         x, layout = prepare_layout(self, x, conv_mask, cache, kwargs)
     mask = layout.mask
-    if cache is not None and mask is not None and x.shape[1] > 1 and not _only_left_pads(conv_mask, x.shape[:2]):
-        raise ValueError(
+    m = normalize_mask(conv_mask, x.shape[:2]) if cache is not None and mask is not None and x.shape[1] > 1 else None
+    if m is not None:  # (eager: one host read; traced: checked on the device, no graph break)
+        require(
+            ~pads_after_real(m).any(),
             f"{type(self).__name__} (layer {layer}): a padded row whose pads are not all on the left (right padding "
-            "or holes) came with a cache, but not through a wrapped model's forward. This model's attention takes "
-            "its relative positions from cache slots, which safepad keeps right only at the model call (it re-lays "
-            "the cache there). Call the safepad-wrapped model (not its layers), pad on the left, or call without a "
-            "cache."
+            "or holes) came with a cache that safepad did not re-lay. This model's attention takes its relative "
+            "positions from cache slots, which safepad keeps right by re-laying each row [pads | real tokens] in the "
+            "wrapped model's eager pre-hook; a layer called directly skips it, and so does the model compiled whole "
+            "(torch.compile(model)), whose traced pre-hook cannot re-lay a call of several tokens. Pad on the left "
+            "(tokenizer.padding_side = 'left'), call without a cache, call the wrapped model itself, or compile its "
+            "forward only (model.forward = torch.compile(model.forward): the pre-hook then runs eagerly).",
         )
     if mask is not None:
         x = x * mask[..., None].to(x.dtype)  # pads contribute nothing
