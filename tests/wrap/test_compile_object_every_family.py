@@ -20,9 +20,9 @@ Dynamo's ``eager`` backend: the traced hook is what is under test; code generati
 costs 1-10 s CPU (its tracing; 20-40 s on the :data:`EXPENSIVE` families), the whole matrix about 20 min, so by
 default every family (but the :data:`EXPENSIVE` ones) runs one of the two cheap kinds (alternating), and three
 cached kinds run on one family each (:data:`DEFAULT_CACHED`); ``SAFEPAD_CONTRACT_COMPILE=kinds`` runs both cheap
-kinds on every family and every kind on :data:`CACHED_FAMILIES`, ``SAFEPAD_CONTRACT_COMPILE=all`` the whole matrix. Measured with ``all``: every
-cell passes except Inkling's right-padded cached prefill, refused (:data:`REFUSALS`); a sliding window narrower
-than the row is an open defect (the strict xfail at the end).
+kinds on every family and every kind on :data:`CACHED_FAMILIES`, ``SAFEPAD_CONTRACT_COMPILE=all`` the whole matrix.
+Measured with ``all``: every cell passes except Inkling's right-padded cached prefill, refused (:data:`REFUSALS`);
+a sliding window narrower than the row is an open defect (the strict xfail at the end).
 """
 
 from __future__ import annotations
