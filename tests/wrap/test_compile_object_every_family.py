@@ -253,3 +253,28 @@ def test_compiled_object_right_padded_decode_with_a_sliding_window() -> None:
         alone = stock(input_ids=full[r, real][None], use_cache=False).logits[0]
         err = (got[r, real] - alone).abs().max().item()
         assert err <= 1e-4 * max(1.0, alone.abs().max().item()), (r, err)
+
+
+@torch.no_grad()
+def test_compiled_object_refuses_a_right_padded_prefill_with_slot_relative_attention() -> None:
+    """Inkling (attention takes relative positions from cache slots), compiled whole: a right-padded cached prefill
+    cannot be re-laid while traced, so it is refused on the device, naming ``torch.compile(model)`` and the fixes
+    (before: a graph break in the short convolution, whose message blamed a layer called directly)."""
+    import copy
+
+    import safepad
+    from safepad.testing.tiny import tiny_model
+
+    ok, why = family_available("inkling_text")
+    if not ok:
+        pytest.skip(why)
+    dynamo.reset()
+    model = torch.compile(safepad.wrap(copy.deepcopy(tiny_model("inkling_text"))), backend="eager")
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 2:] = 0
+    try:
+        with pytest.raises(RuntimeError, match=r"torch\.compile\(model\).*Pad on the left"):
+            model(input_ids=ids * mask, attention_mask=mask, use_cache=True)
+    finally:
+        dynamo.reset()
