@@ -45,15 +45,6 @@ def _taps(self, dynamic_input: Tensor) -> Tensor:
     return (static + dyn).reshape(B, T, -1, K)  # [B, T, H, D / H, K] -> [B, T, D, K]
 
 
-def _only_left_pads(conv_mask: Tensor | None, shape) -> Tensor | bool:
-    """True (a ``[]`` bool tensor, or a Python bool without a mask) when every row's pads precede all its real
-    tokens; read with :func:`safepad._tracing.require` (on the device while traced: no graph break)."""
-    m = normalize_mask(conv_mask, tuple(shape))
-    if m is None:
-        return True
-    return ~pads_after_real(m).any()  # no real -> pad step anywhere
-
-
 def attention_conv_forward(
     self,
     hidden_states: Tensor,
@@ -79,14 +70,17 @@ def attention_conv_forward(
     else:
         x, layout = prepare_layout(self, x, conv_mask, cache, kwargs)
     mask = layout.mask
-    if cache is not None and mask is not None and x.shape[1] > 1:
+    m = normalize_mask(conv_mask, x.shape[:2]) if cache is not None and mask is not None and x.shape[1] > 1 else None
+    if m is not None:  # (eager: one host read; traced: checked on the device, no graph break)
         require(
-            _only_left_pads(conv_mask, x.shape[:2]),
+            ~pads_after_real(m).any(),
             f"{type(self).__name__} (layer {layer}): a padded row whose pads are not all on the left (right padding "
-            "or holes) came with a cache, but not through a wrapped model's forward. This model's attention takes "
-            "its relative positions from cache slots, which safepad keeps right only at the model call (it re-lays "
-            "the cache there). Call the safepad-wrapped model (not its layers), pad on the left, or call without a "
-            "cache.",
+            "or holes) came with a cache that safepad did not re-lay. This model's attention takes its relative "
+            "positions from cache slots, which safepad keeps right by re-laying each row [pads | real tokens] in the "
+            "wrapped model's eager pre-hook; a layer called directly skips it, and so does the model compiled whole "
+            "(torch.compile(model)), whose traced pre-hook cannot re-lay a call of several tokens. Pad on the left "
+            "(tokenizer.padding_side = 'left'), call without a cache, call the wrapped model itself, or compile its "
+            "forward only (model.forward = torch.compile(model.forward): the pre-hook then runs eagerly).",
         )
     if mask is not None:
         x = x * mask[..., None].to(x.dtype)  # pads contribute nothing
