@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
+from .._tracing import kwarg
 from ..cache import CACHE_NAMES, cache_from_kwargs, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
@@ -355,17 +356,53 @@ def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T
     ``[B, T]`` bool (in the justified order) when the call was re-laid, else None.
     """
     cache = cache_from_kwargs(kwargs)[1]
-    if cache is None or not getattr(cache, _RELAID_FLAG, False) or recurrent_only(cache):
+    if cache is None or not getattr(cache, _RELAID_FLAG, False):
+        return _traced_first_prefill(module, plan, kwargs, cache, B, T)
+    if recurrent_only(cache):
         return None
     mask = kwargs.get("attention_mask")
     shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwargs.get(n), torch.Tensor) for n in _PACKED_NAMES)
+    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
     if shaped and not packed and _plain_dynamic_cache(cache):
         past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
         if past_len > 0 and mask.shape[1] == past_len + T:
             return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
     check_traced_cache(module, kwargs)
     return None
+
+
+def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cache, B: int, T: int):
+    """:func:`traced_slot_step` on a cache no call re-laid (or none handed in)."""
+    if not plan.slot_sensitive or T < 2:
+        return None
+    mask = kwargs.get("attention_mask")
+    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
+    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
+    # a first cached prefill (no cache handed in, or an empty DynamicCache) of a model whose attention counts
+    # slots (a sliding window, slot distances): re-laid on the device as eager re-lays it, so that its steps
+    # count real tokens only (served in the caller's [real | pads] layout, a window counted the pads: LFM3
+    # 0.27 from the row alone); a re-lay of rows without pads is the identity, and the post-hook marks the cache
+    # re-laid. Other models, and caches holding tokens no call re-laid, are served in the caller's layout
+    first = cache is None or (not recurrent_only(cache) and _empty_dynamic_cache(cache))
+    use_cache = kwargs.get("use_cache")
+    wanted = cache is not None or use_cache is True or (
+        use_cache is None and bool(text_config_value(module, "use_cache", False)) and not module.training
+    )
+    if first and wanted and shaped and not packed and mask.shape[1] == T:
+        return _traced_relay(module, plan, kwargs, cache, mask, B, T, 0)
+    return None
+
+
+def _empty_dynamic_cache(cache) -> bool:
+    """Is ``cache`` a fresh cache whose attention layers concatenate onto their keys (a ``DynamicCache``'s), none
+    holding a token yet?"""
+    from ..layout.slots import _plain_dynamic
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not hasattr(type(cache), "update"):
+        return False
+    kv = [lay for lay in layers if hasattr(lay, "keys")]
+    return bool(kv) and all(_plain_dynamic(lay) and not getattr(lay, "is_initialized", False) for lay in kv)
 
 
 def _plain_dynamic_cache(cache) -> bool:
