@@ -245,3 +245,16 @@ def test_compiled_backward_of_the_decay_gradient(family: str) -> None:
     s.compile(mode="model", backend="aot_eager")
     s.forward([[231, 132, 236, 19, 85, 135], [127, 117, 49, None, None, 208]], position_ids=True, labels=True,
               backward=True)
+
+
+# torch.compile(model): a chunk of several tokens re-laid over a re-laid cache, with output_attentions, gave wrong
+# logits (recurrent_gemma 1.11, inkling_text 3.9e-3 off the row alone; the 60-minute make fuzz on d5a5d32), where
+# the same call without attention weights, and eagerly with them, are exact. Refused until the cause is found
+@pytest.mark.parametrize("family", [_param("recurrent_gemma", id="recurrent_gemma")])
+def test_compiled_relaid_chunk_with_attentions(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.compile(mode="model", backend="eager")
+    s.prefill([[None, None, 92, 131, 39, 69, 173, 90], [None, None, None, None, 243, 127, 197, 252]],
+              position_ids=True, output_attentions=True, return_dict=False)
+    s.chunk([[218], [117]], position_ids=True)
+    s.chunk([[239, None, None, None], [165, 242, 136, None]], position_ids=True, output_attentions=True)
