@@ -366,15 +366,16 @@ def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: 
 def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, ids: torch.Tensor) -> None:
     """While dynamo traces an uncached call of a family whose attention counts slots (a sliding window, slot
     distances, slot log scaling): a row with a hole (a pad between real tokens) needs the eager re-lay, which a
-    traced call cannot do, whether or not the caller passes ``position_ids``: raise on the device. ``mask`` ``[B, T]``."""
+    traced call cannot do, whether or not the caller passes ``position_ids``: raise on the device.
+    ``mask`` ``[B, T]``."""
     if mask is None or T < 2 or mask.shape[1] != T or not plan.slot_sensitive:
         return
     device_check(
         ~has_holes(mask.to(device=ids.device, dtype=torch.bool)).any(),
         f"{type(module).__name__} under torch.compile: an uncached call whose attention_mask has a pad between "
         "real tokens (a hole) cannot be re-laid while traced, and this model's attention counts slots (a sliding "
-        "window, slot distances or slot-scaled queries) over row positions. Move each row's pads to one side before the call "
-        "(left or right padding), or make this call eagerly.",
+        "window, slot distances or slot-scaled queries) over row positions. Move each row's pads to one side before "
+        "the call (left or right padding), or make this call eagerly.",
     )
 
 

@@ -38,18 +38,6 @@ _NO_FORWARD = object()
 _PATCHED: dict[int, tuple[nn.Module, Any]] = {}
 
 
-def _partial_op(cache: Any, name: str) -> bool:
-    """Whether ``cache``'s batch operation ``name`` leaves states behind: a layer holding conv / recurrent states
-    whose class inherits ``name`` from transformers' ``DynamicLayer`` (which moves only keys and values)."""
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:  # pragma: no cover - older transformers
-        return False
-    base = getattr(DynamicLayer, name, None)
-    return any(hasattr(layer, "conv_states") and getattr(type(layer), name, None) is base
-               for layer in getattr(cache, "layers", ()))
-
-
 def _unpatch(model: nn.Module) -> None:
     """Undo ``model.forward = torch.compile(model.forward)`` made by :meth:`Session.compile`."""
     entry = _PATCHED.pop(id(model), None)
@@ -575,47 +563,32 @@ class Session(_Oracle):
     def select(self, indices: list[int]) -> None:
         """``cache.batch_select_indices(indices)`` (as contrastive search and assisted generation call it): keep
         those rows of the live stream, in that order; the histories follow."""
-        st = self.stream
-        if st is None:
-            return
-        B = len(st.history)
-        idx = [i % B for i in indices] or [0]
-        fn = getattr(st.cache, "batch_select_indices", None)
-        if not callable(fn):
-            return
-        if self._skip("select", {"indices": indices, "cached": True,
-                                 "partial_op": _partial_op(st.cache, "batch_select_indices")}):
-            return
-        self._record("select", {"indices": indices})
-        self.stream = None
-        ok, _ = self._run("select", lambda: fn(torch.tensor(idx)),
-                          lambda: self._stock_cache(B).batch_select_indices(torch.tensor(idx)))
-        if not ok:
-            return
-        self.stream = _Stream([list(st.history[i]) for i in idx], st.mask[idx], st.cache,
-                              None if st.pending is None else [st.pending[i] for i in idx], st.right, st.padded)
+        if self.stream is not None:
+            B = len(self.stream.history)
+            idx = [i % B for i in indices] or [0]
+            self._row_op("select", {"indices": indices}, "batch_select_indices", lambda: (torch.tensor(idx),), idx)
 
     def repeat(self, repeats: int) -> None:
         """``cache.batch_repeat_interleave(repeats)`` (as ``generate`` expands a cache for ``num_return_sequences``):
         each row of the live stream ``repeats`` times in a row; the histories follow."""
+        if self.stream is not None:
+            idx = [i for i in range(len(self.stream.history)) for _ in range(repeats)]
+            self._row_op("repeat", {"repeats": repeats}, "batch_repeat_interleave", lambda: (repeats,), idx)
+
+    def _row_op(self, rule: str, call: dict[str, Any], method: str, args: Callable[[], tuple], idx: list[int]) -> None:
+        """Run the live cache's row operation ``method(*args())`` (stock's own cache refusing the same call counts
+        as refused); on success the stream keeps rows ``idx`` of its histories, mask and pending tokens."""
         st = self.stream
-        if st is None:
+        fn = getattr(st.cache, method, None)
+        if not callable(fn) or self._skip(rule, {**call, "cached": True}):
             return
-        fn = getattr(st.cache, "batch_repeat_interleave", None)
-        if not callable(fn):
-            return
-        if self._skip("repeat", {"repeats": repeats, "cached": True,
-                                 "partial_op": _partial_op(st.cache, "batch_repeat_interleave")}):
-            return
-        self._record("repeat", {"repeats": repeats})
+        self._record(rule, call)
         self.stream = None
-        ok, _ = self._run("repeat", lambda: fn(repeats),
-                          lambda: self._stock_cache(len(st.history)).batch_repeat_interleave(repeats))
-        if not ok:
-            return
-        idx = [i for i in range(len(st.history)) for _ in range(repeats)]
-        self.stream = _Stream([list(st.history[i]) for i in idx], st.mask[idx], st.cache,
-                              None if st.pending is None else [st.pending[i] for i in idx], st.right, st.padded)
+        stock = lambda: getattr(self._stock_cache(len(st.history)), method)(*args())  # noqa: E731
+        ok, _ = self._run(rule, lambda: fn(*args()), stock)
+        if ok:
+            self.stream = _Stream([list(st.history[i]) for i in idx], st.mask[idx], st.cache,
+                                  None if st.pending is None else [st.pending[i] for i in idx], st.right, st.padded)
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
