@@ -185,6 +185,7 @@ def gated_delta_mixer_forward(
             g[:, 0],  # [B, H] or [B, H, Dk]
             beta[:, 0],  # [B, H]
             use_qk_l2norm=True,
+            token_mask=None if mask is None else mask[:, 0],  # a masked decode token leaves its row's state
             # the step is a few elementwise ops with no kernel (it refuses "kernels"); same math either way
             backend="torch" if backend == "kernels" else backend,
         )  # [B, H, Dv], [B, H, Dk, Dv]
@@ -192,7 +193,7 @@ def gated_delta_mixer_forward(
             cache,
             self.layer_idx,
             conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
-            recurrent=hold_masked_rows(mask, rec_new, state),
+            recurrent=rec_new,  # held in gated_delta_rule_step (token_mask): no pass over the state here
         )
         o = o[:, None]  # [B, 1, H, Dv]
     else:

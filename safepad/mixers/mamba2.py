@@ -85,13 +85,14 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
             D=self.D,
             dt_bias=self.dt_bias,
             dt_limit=tuple(self.time_step_limit),
+            token_mask=None if mask is None else mask[:, 0],  # a masked decode token leaves its row's state
             backend=backend,
         )  # [B, H, P], [B, H, P, N]
         write_states(
             cache,
             self.layer_idx,
             conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
-            recurrent=hold_masked_rows(mask, ssm_new, past.recurrent),
+            recurrent=ssm_new,  # held in ssd_step (token_mask): no pass over the state here
         )
         y = y.reshape(Bsz, 1, I)  # [B, 1, I]
     else:

@@ -272,6 +272,7 @@ def gated_delta_rule_step(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    token_mask: Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decode token of the gated delta rule, out of place.
@@ -280,6 +281,9 @@ def gated_delta_rule_step(
         state: ``[B, H, Dk, Dv]`` (HF's ``recurrent_states`` layout).
         q, k: ``[B, H_k, Dk]``; v: ``[B, H, Dv]``; g: ``[B, H]`` or ``[B, H, Dk]``; beta: ``[B, H]``.
         scale, use_qk_l2norm: as in :func:`chunk_gated_delta_rule`.
+        token_mask: ``[B]`` bool or None. A row whose token is masked (False) keeps a finite state exactly (its
+            ``o`` is not meaningful): its ``g``, ``beta``, ``k`` and ``v`` are zeroed (a NaN there never reaches
+            the state), so the decay is ``exp(0) = 1`` and the correction 0, with no extra pass over the state.
         backend: accepted for symmetry; the step is a handful of elementwise ops and always runs the
             torch core (``"kernels"`` raises).
 
@@ -299,6 +303,12 @@ def gated_delta_rule_step(
     cdt = _compute_dtype(q, k, v, g, beta, state)
     out_dtype = v.dtype  # o comes back in the input's dtype, rounded as the chunked path rounds it
     q, k, v, g, beta = (x.to(cdt) for x in (q, k, v, g, beta))
+    if token_mask is not None:
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (q.shape[0],):
+            raise ValueError(f"token_mask must have shape [batch] = [{q.shape[0]}], got {getattr(token_mask, 'shape', token_mask)}")
+        keep = token_mask.to(torch.bool)
+        k, v, g = (torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, 0.0) for x in (k, v, g))
+        beta = torch.where(keep[:, None], beta, 0.0)  # [B, H]
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     if hk != h:

@@ -934,12 +934,17 @@ def ssd_step(
     dt_bias: Tensor | None = None,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     dt_softplus: bool = True,
+    token_mask: Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decode token, with exactly the dt pipeline of :func:`ssd_scan`.
 
     Args:
         state: ``[B, H, P, N]``; x: ``[B, H, P]``; dt: ``[B, H]`` raw; A: ``[H]``; B, C: ``[B, G, N]``.
+        token_mask: ``[B]`` bool or None. A row whose token is masked (False) keeps its state exactly (its
+            ``y`` is not meaningful): its processed ``dt`` and its ``x`` and ``B`` are zeroed (a NaN there never
+            reaches the state), so the decay is ``exp(0) = 1`` and the input term 0, with no pass over the
+            ``[B, H, P, N]`` state beyond the update itself.
 
     Returns:
         ``(y [B, H, P] (dtype of x), new_state [B, H, P, N] float32)`` (float64 when ``x`` is float64);
@@ -963,6 +968,12 @@ def ssd_step(
     check_backend(backend)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     dtp = process_dt(dt, dt_bias, dt_limit, dt_softplus).to(ct)  # [B, H]
+    if token_mask is not None:
+        _check("token_mask", token_mask, (Bsz,), "[batch]")
+        keep = token_mask.to(torch.bool)
+        dtp = torch.where(keep[:, None], dtp, 0.0)  # after the limits: a clamp would move 0 off 0
+        x = torch.where(keep[:, None, None], x, 0.0)  # [B, H, P]
+        B = torch.where(keep[:, None, None], B, 0.0)  # [B, G, N]
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (state, x, dt, A, B, C, D, dt_bias)
     )

@@ -445,3 +445,23 @@ def test_kernel_path_is_only_taken_when_exact():
     assert "empty" in _fla_inexpressible(q[:, :0], k[:, :0], v[:, :0], per_channel=False)
     wide = torch.zeros(1, 4, 2, 320, dtype=torch.bfloat16)
     assert "Dk <= 256" in _fla_inexpressible(wide, wide, v, per_channel=False)
+
+
+@pytest.mark.parametrize("per_channel", GATES)
+@pytest.mark.parametrize("hk", [pytest.param(None, id="mha"), pytest.param(1, id="gqa")])
+def test_step_token_mask_keeps_masked_rows_bitwise(per_channel, hk):
+    """A masked row keeps its state exactly, even with NaN inputs; the other rows equal the unmasked step."""
+    q, k, v, g, beta = make_inputs(3, 2, 2, 8, 4, per_channel=per_channel, hk=hk, seed=29)
+    _, state = chunk_gated_delta_rule(*(x[:, :1] for x in (q, k, v, g, beta)), use_qk_l2norm=True,
+                                      return_final_state=True)
+    step = [x[:, 1].clone() for x in (q, k, v, g, beta)]
+    for x in step:
+        x[1] = float("nan")  # the masked row's token
+    keep = torch.tensor([True, False, True])
+    o, s1 = gated_delta_rule_step(state, *step, use_qk_l2norm=True, token_mask=keep)
+    o_ref, s_ref = gated_delta_rule_step(state, *step, use_qk_l2norm=True)
+    assert torch.equal(s1[1], state[1].to(s1.dtype))
+    assert torch.equal(s1[keep], s_ref[keep]) and torch.equal(o[keep], o_ref[keep])
+    assert s_ref[1].isnan().all()  # without the mask the NaN token reaches the state
+    with pytest.raises(ValueError, match="token_mask"):
+        gated_delta_rule_step(state, *step, use_qk_l2norm=True, token_mask=keep[:2])

@@ -166,6 +166,26 @@ def test_step_does_not_modify_state_and_returns_fp32():
     assert torch.equal(t["initial_state"], s0) and s1.dtype == torch.float32 and y.shape == (2, H, P)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("dt_limit", [(0.0, INF), (0.05, INF)], ids=["default", "lo"])
+def test_step_token_mask_keeps_masked_rows_bitwise(dt_limit, dtype):
+    """A masked row keeps its state exactly (even with a NaN token and a dt floor that would move dt=0);
+    the other rows equal the unmasked step."""
+    t = make(3, 1, 2, seed=5, dtype=dtype)
+    x = t["x"][:, 0].clone()
+    x[1] = float("nan")  # the masked row's token
+    args = (x, t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0])
+    kw = {"D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": dt_limit}
+    keep = torch.tensor([True, False, True])
+    y, s1 = ssd_step(t["initial_state"], *args, token_mask=keep, **kw)
+    y_ref, s_ref = ssd_step(t["initial_state"], *args, **kw)
+    assert torch.equal(s1[1], t["initial_state"][1].to(s1.dtype))
+    assert torch.equal(s1[keep], s_ref[keep]) and torch.equal(y[keep], y_ref[keep])
+    assert s_ref[1].isnan().any()  # without the mask the NaN token would reach the state
+    with pytest.raises(ValueError, match="token_mask"):
+        ssd_step(t["initial_state"], *args, token_mask=keep[:2], **kw)
+
+
 PAD_LAYOUTS = [
     pytest.param([(0, 9), (3, 2), (0, 12)], id="left-pads"),
     pytest.param([(9, 0), (2, 3), (12, 0)], id="right-pads"),
