@@ -98,7 +98,9 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
             y_h, s_h = selective_state_step(
                 past.recurrent[:, h], xh[:, h], dt[:, h], record(A[h], nonpositive=True), Bm[:, h], Cm[:, h], D=D[h],
                 z=zh[:, h],
-                delta_bias=None if bias is None else bias[h], delta_softplus=True, backend=backend,
+                delta_bias=None if bias is None else bias[h], delta_softplus=True,
+                token_mask=None if mask is None else mask[:, 0],  # a masked decode token leaves its row's state
+                backend=backend,
             )  # [B, P], [B, P, N]
             ys.append(y_h)
             states.append(s_h)
@@ -107,7 +109,7 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
             cache,
             self.layer_idx,
             conv=hold_masked_rows(mask, conv_new, past.conv),
-            recurrent=hold_masked_rows(mask, ssm_new, past.recurrent),
+            recurrent=ssm_new,  # held in selective_state_step (token_mask)
         )
         return torch.cat(ys, dim=-1)[:, None]  # [B, 1, I]
     want_state = cache is not None
@@ -174,13 +176,15 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, R], [B, N], [B, N]
         dt, delta_bias = _dt(self, dt_low)  # [B, I]
         y, ssm_new = selective_state_step(
-            past.recurrent, xc, dt, A, Bm, Cm, D=D, z=gate[:, 0], delta_bias=delta_bias, delta_softplus=True, backend=backend
+            past.recurrent, xc, dt, A, Bm, Cm, D=D, z=gate[:, 0], delta_bias=delta_bias, delta_softplus=True,
+            token_mask=None if mask is None else mask[:, 0],  # a masked decode token leaves its row's state
+            backend=backend,
         )  # [B, I], [B, I, N]
         write_states(
             cache,
             self.layer_idx,
             conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
-            recurrent=hold_masked_rows(mask, ssm_new, past.recurrent),
+            recurrent=ssm_new,  # held in selective_state_step (token_mask): no pass over the state here
         )
         y = y[:, None]  # [B, 1, I]
     else:

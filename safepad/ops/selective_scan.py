@@ -509,6 +509,7 @@ def selective_state_step(
     z: Tensor | None = None,
     delta_bias: Tensor | None = None,
     delta_softplus: bool = True,
+    token_mask: Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Decode one token, out of place.
@@ -517,6 +518,9 @@ def selective_state_step(
         state: ``[B, Dm, N]``.
         u, delta, z: ``[B, Dm]`` (``delta`` raw; same pipeline as :func:`selective_scan`).
         A: ``[Dm, N]``; B, C: ``[B, N]``; D, delta_bias: ``[Dm]`` or None.
+        token_mask: ``[B]`` bool or None. A row whose token is masked (False) keeps its state exactly (its ``y``
+            is not meaningful): its processed ``delta``, ``u`` and ``B`` are zeroed (a NaN there never reaches the
+            state), so ``exp(0 * A) = 1`` and the input term is 0.
 
     Returns:
         ``(y [B, Dm] in u.dtype, new_state [B, Dm, N] fp32)`` (fp64 when ``u`` is fp64); ``state`` is
@@ -544,6 +548,11 @@ def selective_state_step(
 
     cdt = _compute_dtype(u)
     dt = process_dt(delta, delta_bias, _NO_LIMIT, delta_softplus).to(cdt)  # [B, Dm]
+    if token_mask is not None:
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz,):
+            raise ValueError(f"token_mask must have shape [B] = [{Bsz}], got {getattr(token_mask, 'shape', token_mask)}")
+        keep = token_mask.to(torch.bool)[:, None]  # [B, 1]
+        dt, u, B = torch.where(keep, dt, 0.0), torch.where(keep, u, 0.0), torch.where(keep, B, 0.0)
     if cdt == torch.float32 and kernels.use_kernels(
         state, u, dt, A, B, C, need=("selective_state_update",), backend=backend
     ):

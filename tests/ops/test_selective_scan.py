@@ -230,6 +230,26 @@ def test_decode_steps_after_prefix_equal_full_scan(split, h0):
     torch.testing.assert_close(state, fin_full, rtol=1e-10, atol=1e-10)
 
 
+def test_step_token_mask_keeps_masked_rows_bitwise():
+    """A masked row keeps its state exactly, even with NaN inputs; the other rows equal the unmasked step."""
+    x = make_inputs(3, 2, h0=True, seed=41)
+    _, state = scan({k: (v[:, :1] if k in ("u", "delta", "B", "C", "z") else v) for k, v in x.items()},
+                    return_final_state=True)
+    step = {k: x[k][:, 1].clone() for k in ("u", "delta", "B", "C", "z")}
+    for v in step.values():
+        v[1] = float("nan")  # the masked row's token
+    args = (step["u"], step["delta"], x["A"], step["B"], step["C"])
+    kw = {"D": x["D"], "z": step["z"], "delta_bias": x["delta_bias"]}
+    keep = torch.tensor([True, False, True])
+    y, s1 = selective_state_step(state, *args, token_mask=keep, **kw)
+    y_ref, s_ref = selective_state_step(state, *args, **kw)
+    assert torch.equal(s1[1], state[1]) and not state[1].isnan().any()
+    assert torch.equal(s1[keep], s_ref[keep]) and torch.equal(y[keep], y_ref[keep])
+    assert s_ref[1].isnan().all()  # without the mask the NaN token reaches the state
+    with pytest.raises(ValueError, match="token_mask"):
+        selective_state_step(state, *args, token_mask=keep[:2], **kw)
+
+
 MASKS = [
     pytest.param([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], id="left-pad"),
     pytest.param([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]], id="right-pad"),
