@@ -18,7 +18,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["CallScope", "device_check", "in_backward", "is_device_check_error", "kwarg", "require", "tracing"]
+__all__ = [
+    "CallScope", "copy_context", "device_check", "in_backward", "is_device_check_error", "kwarg", "require", "tracing"
+]
 
 #: what starts the message of a failed :func:`device_check` (a compiled call raises it from inside torch, where no
 #: safepad raise site shows; :func:`is_device_check_error` reads it). A constant: recording the messages at trace
@@ -83,6 +85,8 @@ def in_backward() -> bool:
 
 #: the token :meth:`CallScope.push` returns while tracing (no ContextVar is touched then)
 _TRACED_TOKEN = "traced"
+#: every :class:`CallScope` made (module-level ones: the call context, the cache's call flag, the SP context)
+_SCOPES: list[CallScope] = []
 
 
 class CallScope(Generic[T]):
@@ -93,6 +97,11 @@ class CallScope(Generic[T]):
     plain list, one per thread (``threading.local``), which traced code reads: compiled code reads it at run time
     in the calling thread, whether the push ran traced (``torch.compile(model)``: the hooks are traced) or eagerly
     around a compiled ``forward``, so concurrent calls in other threads never see each other's values.
+
+    A push made while tracing reaches the list only (the compiled code replays the append), never the ContextVar.
+    Code that runs eagerly inside such a call (a frame dynamo runs uncompiled: past its recompile limit, or one it
+    skips) must still see that value: each list entry records whether its push was traced, and an eager read whose
+    innermost entry was pushed traced returns that entry (the ContextVar holds an outer call's value, or none).
     """
 
     def __init__(self, name: str, default: T | None = None):
@@ -100,37 +109,47 @@ class CallScope(Generic[T]):
         self.default = default
         self._var: contextvars.ContextVar[T | None] = contextvars.ContextVar(name, default=default)
         self._local = threading.local()
+        _SCOPES.append(self)
         # created now for the importing thread: compiled code guards on whether the attribute exists, and
         # creating it in the first compiled call would make the second call recompile
         self._local.stack = []
 
+    def _entries(self) -> list[tuple[T | None, bool]]:
+        """This thread's stack of ``(value, pushed while tracing)`` (innermost last)."""
+        entries = getattr(self._local, "stack", None)
+        if entries is None:
+            entries = self._local.stack = []
+        return entries
+
     def stack(self) -> list[T | None]:
-        """This thread's stack of pushed values (innermost last); what traced code reads."""
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+        """This thread's pushed values (innermost last); what traced code reads."""
+        return [value for value, _ in self._entries()]
 
     def push(self, value: T | None) -> Any:
         """A call begins: ``value`` is current until :meth:`pop` of the returned token."""
-        self.stack().append(value)
-        if tracing():
+        traced = tracing()
+        self._entries().append((value, traced))
+        if traced:
             return _TRACED_TOKEN
         return self._var.set(value)
 
     def pop(self, token: Any) -> None:
         """The call of :meth:`push`'s ``token`` ends."""
-        stack = self.stack()
-        if stack:
-            stack.pop()
-        if token is not _TRACED_TOKEN:
+        entries = self._entries()
+        if entries:
+            entries.pop()
+        # (a traced push's token may come back to an eager pop as an equal string, not the same object)
+        if not (isinstance(token, str) and token == _TRACED_TOKEN):
             self._var.reset(token)
 
     def current(self) -> T | None:
-        """The innermost value pushed in this thread (eager: in this context), or ``default``."""
+        """The innermost value pushed in this thread (eager: in this context, unless that push was traced), or
+        ``default``."""
+        entries = self._entries()
         if tracing():
-            stack = self.stack()
-            return stack[-1] if stack else self.default
+            return entries[-1][0] if entries else self.default
+        if entries and entries[-1][1]:
+            return entries[-1][0]  # pushed by traced code, which never set the ContextVar
         return self._var.get()
 
     def set_eager(self, value: T | None) -> contextvars.Token:
@@ -139,3 +158,18 @@ class CallScope(Generic[T]):
 
     def reset_eager(self, token: contextvars.Token) -> None:
         self._var.reset(token)
+
+
+def copy_context() -> contextvars.Context:
+    """``contextvars.copy_context()`` in which every :class:`CallScope` reads what its ``current()`` reads now.
+
+    A value pushed by traced code never reached its ContextVar (:class:`CallScope`); it is set in the copy, so a
+    snapshot taken eagerly inside such a call (a checkpointed layer's, for its recompute in backward, when the
+    stack no longer holds it) carries it.
+    """
+    snapshot = contextvars.copy_context()
+    for scope in _SCOPES:
+        entries = scope._entries()
+        if entries and entries[-1][1]:
+            snapshot.run(scope._var.set, entries[-1][0])
+    return snapshot

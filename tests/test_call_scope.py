@@ -4,6 +4,7 @@ context are per thread, for eager and traced readers alike, so concurrent calls 
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -160,3 +161,68 @@ def test_a_failed_compiled_device_check_is_recognised_as_safepads() -> None:
     assert message in str(info.value) and is_device_check_error(info.value)
     assert not is_device_check_error(RuntimeError("view size is not compatible with input tensor's size"))
     assert not is_device_check_error(ValueError(message))  # eager raises ValueError at its own raise site
+
+
+def test_eager_code_inside_a_traced_push_reads_it():
+    """A value pushed by traced code reaches only the list traced code reads (the compiled code replays the append):
+    eager code running inside that call (a frame dynamo leaves uncompiled) must read it too, and so must the context
+    snapshot a checkpointed layer takes there for its recompute (before: both read the ContextVar, None)."""
+    from safepad._tracing import copy_context
+    from safepad.context import CallContext, enter_call, exit_call
+    from safepad.wrap.checkpoint import _CheckpointWithContext
+
+    torch._dynamo.reset()
+    ctx = CallContext(seq_idx=None, shape=(2, 3), source="test")
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def enter(x):
+        enter_call(ctx)
+        return x
+
+    recomputes: list = []
+
+    def checkpoint(function, *args):  # a checkpoint function: the forward now, the recompute later (backward)
+        recomputes.append(lambda: function(*args))
+        return function(*args)
+
+    seen: list = []
+    enter(torch.zeros(1))
+    try:
+        assert current_context() is ctx
+        _CheckpointWithContext(checkpoint)(lambda: seen.append(current_context()))
+        snapshot = copy_context()
+    finally:
+        exit_call("traced")
+    assert current_context() is None
+    recomputes[0]()
+    assert seen == [ctx, ctx]
+    assert snapshot.run(current_context) is ctx
+
+
+def test_a_mixer_dynamo_leaves_uncompiled_inside_a_compiled_call():
+    """``torch.compile(model)`` traces safepad's model hook, and dynamo may still run a layer uncompiled inside the
+    compiled call (past its recompile limit: transformers' ``deprecate_kwarg`` wrapper, shared by every decorated
+    forward, reached it on the fuzzer's compiled chunk with attention weights). RecurrentGemma's recurrent block
+    reads the row's padding from the call context; run uncompiled, it read none and took left pads as tokens
+    (1.14 off the row alone before). Each row must equal the row alone."""
+    from safepad.testing.tiny import family_available
+
+    ok, why = family_available("recurrent_gemma")
+    if not ok:
+        pytest.skip(why)
+    torch._dynamo.reset()
+    stock = tiny_model("recurrent_gemma")
+    model = safepad.wrap(copy.deepcopy(stock)).eval()
+    block = model.model.layers[0].temporal_block
+    block.forward = torch.compiler.disable(block.forward)  # dynamo runs this layer's mixer uncompiled
+    rows = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for b, row in enumerate(rows):  # left padded
+        ids[b, 6 - len(row) :] = torch.tensor(row)
+        mask[b, 6 - len(row) :] = 1
+    with torch.no_grad():
+        logits = torch.compile(model, backend="eager")(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        for b, row in enumerate(rows):
+            ref = stock(input_ids=torch.tensor([row]), use_cache=False).logits[0]
+            torch.testing.assert_close(logits[b, 6 - len(row) :], ref, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ import contextvars
 
 from torch import nn
 
-from .._tracing import tracing
+from .._tracing import copy_context, tracing
 from ..context import current_context, no_call_context, set_context
 
 __all__ = ["hook_checkpoint_functions"]
@@ -30,7 +30,7 @@ class _CheckpointWithContext:
     def __call__(self, function, *args, **kwargs):
         if tracing():  # dynamo traces the checkpoint into the graph: the recompute is part of the compiled backward
             return self.inner(function, *args, **kwargs)
-        return self.inner(_InContext(function, contextvars.copy_context()), *args, **kwargs)
+        return self.inner(_InContext(function, copy_context()), *args, **kwargs)
 
 
 class _InContext:

@@ -428,15 +428,6 @@ def _traced_relay(
     positions are kept, generate's own counting each row's real tokens, and whose outputs are put back in the
     caller's order; a one-token step's other outputs need no restoring.)
     """
-    if T > 1 and past_len > 0 and _attentions_wanted(module, kwargs):
-        # measured wrong, not understood yet: a compiled chunk re-laid over a re-laid cache that returns attention
-        # weights gave wrong logits (recurrent_gemma 1.11, inkling_text 3.9e-3 off the row alone; make fuzz) where the
-        # same call without them, and the eager call with them, are exact. Refused until that is found
-        raise ValueError(
-            f"{type(module).__name__}: output_attentions=True on a compiled call of several tokens over a cache "
-            "safepad re-laid (rows with padding after real tokens) is not supported. Make this call eagerly "
-            "(torch.compiler.set_stance('force_eager')), without output_attentions, or one token at a time."
-        )
     m = mask.to(torch.bool)
     call = SlotJustifiedCall(m, past_len, on_device=True)  # justified mask, pad counts, order, re-lay: on the device
     for check in plan.slot_checks:
