@@ -93,6 +93,11 @@ class CallScope(Generic[T]):
     plain list, one per thread (``threading.local``), which traced code reads: compiled code reads it at run time
     in the calling thread, whether the push ran traced (``torch.compile(model)``: the hooks are traced) or eagerly
     around a compiled ``forward``, so concurrent calls in other threads never see each other's values.
+
+    A traced push sets no ContextVar (dynamo cannot), yet code inside that compiled call may run eagerly: a frame
+    dynamo falls back on (its recompile limit, a skipped or ``torch._dynamo.disable``-d function, a graph break).
+    Each entry therefore records whether a traced push made it, and eager code reads the innermost entry when a
+    traced push made it (the ContextVar, which that push did not set, would hold an earlier call's value or none).
     """
 
     def __init__(self, name: str, default: T | None = None):
@@ -103,6 +108,7 @@ class CallScope(Generic[T]):
         # created now for the importing thread: compiled code guards on whether the attribute exists, and
         # creating it in the first compiled call would make the second call recompile
         self._local.stack = []
+        self._local.traced = []  # per stack entry: pushed by traced code (no ContextVar set)
 
     def stack(self) -> list[T | None]:
         """This thread's stack of pushed values (innermost last); what traced code reads."""
@@ -111,10 +117,18 @@ class CallScope(Generic[T]):
             stack = self._local.stack = []
         return stack
 
+    def _traced_marks(self) -> list[bool]:
+        marks = getattr(self._local, "traced", None)
+        if marks is None:
+            marks = self._local.traced = []
+        return marks
+
     def push(self, value: T | None) -> Any:
         """A call begins: ``value`` is current until :meth:`pop` of the returned token."""
         self.stack().append(value)
-        if tracing():
+        traced = tracing()
+        self._traced_marks().append(traced)
+        if traced:
             return _TRACED_TOKEN
         return self._var.set(value)
 
@@ -123,14 +137,23 @@ class CallScope(Generic[T]):
         stack = self.stack()
         if stack:
             stack.pop()
+        marks = self._traced_marks()
+        if marks:
+            marks.pop()
         if token is not _TRACED_TOKEN:
             self._var.reset(token)
 
     def current(self) -> T | None:
-        """The innermost value pushed in this thread (eager: in this context), or ``default``."""
+        """The innermost value pushed in this thread (eager: in this context, unless traced code pushed the
+        innermost one: code run eagerly inside a compiled call), or ``default``."""
         if tracing():
             stack = self.stack()
             return stack[-1] if stack else self.default
+        marks = getattr(self._local, "traced", None)
+        if marks and marks[-1]:
+            stack = self.stack()
+            if stack:
+                return stack[-1]
         return self._var.get()
 
     def set_eager(self, value: T | None) -> contextvars.Token:
