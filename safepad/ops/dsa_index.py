@@ -80,7 +80,13 @@ def kpool_topk_indices(
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # [B, N]: real slots first, in order
     offs = torch.arange(kpool, device=device)
     starts = valid & (rank % kpool == 0)  # [B, N]: slots that start a pool
-    A = max(int(starts.sum(1).max()), 1)  # pools of the fullest row
+    # a pool is complete when its last member (kp - 1 real keys later) exists and is of the same sequence; only
+    # complete pools are ever selected, and a row holds at most N // kp of them (disjoint sets of kp real keys):
+    # a static bound, so the number of pools is no host read (no graph break under torch.compile)
+    last_v = excl + (kpool - 1)  # [B, N]: global real-key index of the last member of a pool starting here
+    last_slot = order.gather(1, last_v.clamp(max=N - 1))  # [B, N]
+    starts = starts & (last_v < n_valid[:, None]) & (seg.gather(1, last_slot) == seg)
+    A = max(N // kpool, 1)
     anchor = torch.sort((~starts).to(torch.int8), dim=1, stable=True).indices[:, :A]  # [B, A] pool starts first
     is_start = starts.gather(1, anchor)  # [B, A] (False: filler of a row with fewer pools)
     member_v = excl.gather(1, anchor)[:, :, None] + offs  # [B, A, kp]: global real-key index of each member
@@ -110,6 +116,7 @@ def kpool_topk_indices(
     picked_ok = cand.gather(-1, picks)  # [B, T, <=K]
     sel = members[bidx, picks]  # [B, T, <=K, kp]
     sel = sel.masked_fill(~picked_ok[..., None], -1).flatten(-2)  # [B, T, <=K * kp]
+    sel = F.pad(sel, (0, K * kpool - sel.shape[-1]), value=-1)  # [B, T, K * kp]: the tail at a fixed column
     parts = [sel]
     width = topk
     if select_tail and kpool > 1:

@@ -108,3 +108,30 @@ def test_pads_inside_a_row_shift_nothing(indexers):
     assert not got[~mask[0]].any() and not got[:, ~mask[0]].any()  # pads select and are selected by nothing
     stock_sel = _selection(stock(hidden_states=h, q_resid=r, attention_mask=mask, **_no_cache(stock))[0], T)
     assert not torch.equal(stock_sel[slots], want)  # the stock pools straddle the holes
+
+
+@pytest.mark.parametrize("layout", [pytest.param("packed", id="packed-seq_idx"), pytest.param("holes", id="holes")])
+def test_selection_traces_without_graph_break(indexers, layout):
+    """Under torch.compile the selection is one graph: the number of pools is a static bound, not a host read
+    (``int(starts.sum(1).max())`` broke the graph in every indexer call: 13 breaks per glm5_next_text forward),
+    and the traced selection is the eager one."""
+    import torch._dynamo as dynamo
+
+    _, patched = indexers
+    T = 17
+    h, r = _inputs(patched, T, seed=11)
+    kw = {"hidden_states": h, "q_resid": r, **_no_cache(patched)}
+    mask = torch.ones(1, T, dtype=torch.bool)
+    if layout == "packed":
+        kw["seq_idx"] = torch.tensor([[0] * 3 + [1] * 9 + [2] * 5], dtype=torch.int32)
+    else:
+        mask[0, [0, 4, 5, 12]] = False
+    kw["attention_mask"] = mask
+    dynamo.reset()
+    try:
+        ex = dynamo.explain(patched)(**kw)
+        assert ex.graph_break_count == 0, [b.reason for b in ex.break_reasons]
+        compiled = torch.compile(patched, backend="eager", fullgraph=True)
+        assert torch.equal(_selection(compiled(**kw)[0], T), _selection(patched(**kw)[0], T))
+    finally:
+        dynamo.reset()
