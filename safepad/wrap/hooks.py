@@ -52,7 +52,8 @@ from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
-from .slot_calls import _mrope, slot_justify, slot_restore, traced_slot_step
+from .slot_calls import slot_justify, traced_slot_step
+from .slot_record import _mrope, slot_restore
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
