@@ -52,8 +52,9 @@ from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
-from .slot_calls import slot_justify, traced_slot_step
+from .slot_calls import slot_justify
 from .slot_record import _mrope, slot_restore
+from .traced_slot_calls import traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
@@ -168,7 +169,7 @@ class _ModelPreHook:
         if traced:
             # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
             # ([B, T] token mask, a chunk reordered pads first); any other call on such a cache raises
-            # (slot_calls.check_traced_cache)
+            # (traced_slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             forget_read(cache)  # a forward outside generate: generate's record of it is stale

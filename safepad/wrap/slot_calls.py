@@ -1,10 +1,11 @@
-"""Slot-justified cached calls, for every family: cached rows stay ``[pads | real tokens]``.
+"""Slot-justified cached calls, for every family: cached rows stay ``[pads | real tokens]`` (eager calls).
 
 The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding after
 real tokens is re-laid so every cached row stays ``[pads | real tokens]`` (the left-padded layout stock produces;
 :class:`~safepad.layout.slots.SlotJustifiedCall`): sliding windows, slot-relative positions and selected key
 slots then see real tokens only, and a row's last real token is its last column. The post-hook puts the outputs
-back in the caller's order, except inside ``generate()``, which reads each row's next token from the last column.
+back in the caller's order (:mod:`safepad.wrap.slot_record`), except inside ``generate()``, which reads each row's
+next token from the last column. A traced call is re-laid on the device instead (:mod:`safepad.wrap.traced_slot_calls`).
 Cached calls also get each token's real position when the caller gives none (the cached real tokens plus
 ``cumsum(mask) - 1``; ``cache length + arange`` without padding), and inside ``generate()`` the mask decides the
 2-D positions. A spec may add a ``slot_check(module, layout)`` option that refuses layouts its attention cannot
@@ -19,8 +20,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
-from .._tracing import kwarg
-from ..cache import CACHE_NAMES, cache_from_kwargs, recurrent_only
+from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
@@ -32,7 +32,7 @@ from .slot_record import (
 if TYPE_CHECKING:
     from .plan import ModelPlan
 
-__all__ = ["check_traced_cache", "slot_justify", "traced_slot_step"]
+__all__ = ["slot_justify"]
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -240,172 +240,6 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
         named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
     record.call = call
     return (), named
-
-
-def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
-    """While dynamo traces a cached call that :func:`traced_slot_step` cannot re-lay on the device: refuse a cache
-    whose rows an eager call re-laid.
-
-    The device re-lay needs the full-length 2-D ``attention_mask`` (the cached tokens plus the new ones: which of
-    the cached slots are real) and a cache whose layers concatenate onto their keys (a ``DynamicCache``'s, re-laid
-    in place). Without either, the call's mask and positions would address the caller's layout while the cache holds
-    the justified one, silently wrong. A re-laid cache carries a Python attribute (set by
-    :func:`~safepad.wrap.slot_record.slot_restore`), read here at trace time. (Also for a cache only decode steps
-    re-laid, where no row's token may have been a pad: unknown on the host.)
-    """
-    cache = cache_from_kwargs(kwargs)[1]
-    if cache is not None and getattr(cache, _RELAID_FLAG, False):
-        raise ValueError(
-            f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
-            "padding after real tokens, e.g. right padding), and this compiled call cannot keep that layout, so its "
-            "result would be wrong: a compiled call on it needs the full-length 2-D attention_mask (the cached tokens "
-            "plus the new ones, as generate() passes) and a DynamicCache (the default). Pass them, or make this call "
-            "eagerly (torch.compiler.set_stance('force_eager')), or pad prompts on the left "
-            "(tokenizer.padding_side = 'left')."
-        )
-
-
-def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T: int) -> torch.Tensor | None:
-    """While dynamo traces a cached call: keep the slot-justified layout of a cache a call has re-laid.
-
-    A cache that an eager call re-laid (a chunk with padding after real tokens, or a decode step, which re-lays on
-    the device whether or not its token is a pad; a Python mark read at trace time) holds every row
-    ``[pads | real tokens]``, unlike the caller's mask. A call of ``T`` tokens with a 2-D ``attention_mask``
-    ``[B, L + T]`` over a ``DynamicCache`` holding ``L`` slots is re-laid on the device as eager calls are
-    (:class:`SlotJustifiedCall`, every decision a device tensor, :func:`_traced_relay`): a one-token step, and a
-    chunk of several tokens (a chunked prefill, an assisted-decoding verify call), which is always reordered pads
-    first and put back in the caller's order by the post-hook. ``kwargs`` is updated in place. Any other call on
-    such a cache raises (:func:`check_traced_cache`).
-
-    A cache no call re-laid is in the caller's layout and is served as it is. Returns the call's token mask
-    ``[B, T]`` bool (in the justified order) when the call was re-laid, else None.
-    """
-    cache = cache_from_kwargs(kwargs)[1]
-    if cache is None or not getattr(cache, _RELAID_FLAG, False):
-        return _traced_first_prefill(module, plan, kwargs, cache, B, T)
-    if recurrent_only(cache):
-        return None
-    mask = kwargs.get("attention_mask")
-    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
-    if shaped and not packed and _plain_dynamic_cache(cache):
-        past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
-        if past_len > 0 and mask.shape[1] == past_len + T:
-            return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
-    check_traced_cache(module, kwargs)
-    return None
-
-
-def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cache, B: int, T: int):
-    """:func:`traced_slot_step` on a cache no call re-laid (or none handed in)."""
-    if not plan.slot_sensitive or T < 2:
-        return None
-    mask = kwargs.get("attention_mask")
-    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
-    # a first cached prefill (no cache handed in, or an empty DynamicCache) of a model whose attention counts
-    # slots (a sliding window, slot distances): re-laid on the device as eager re-lays it, so that its steps
-    # count real tokens only (served in the caller's [real | pads] layout, a window counted the pads: LFM3
-    # 0.27 from the row alone); a re-lay of rows without pads is the identity, and the post-hook marks the cache
-    # re-laid. Other models, and caches holding tokens no call re-laid, are served in the caller's layout
-    first = cache is None or (not recurrent_only(cache) and _empty_dynamic_cache(cache))
-    use_cache = kwargs.get("use_cache")
-    wanted = cache is not None or use_cache is True or (
-        use_cache is None and bool(text_config_value(module, "use_cache", False)) and not module.training
-    )
-    if first and wanted and shaped and not packed and mask.shape[1] == T:
-        return _traced_relay(module, plan, kwargs, cache, mask, B, T, 0)
-    return None
-
-
-def _empty_dynamic_cache(cache) -> bool:
-    """Is ``cache`` a fresh cache whose attention layers concatenate onto their keys (a ``DynamicCache``'s), none
-    holding a token yet?"""
-    from ..layout.slots import _plain_dynamic
-
-    layers = getattr(cache, "layers", None)
-    if not layers or not hasattr(type(cache), "update"):
-        return False
-    kv = [lay for lay in layers if hasattr(lay, "keys")]
-    return bool(kv) and all(_plain_dynamic(lay) and not getattr(lay, "is_initialized", False) for lay in kv)
-
-
-def _plain_dynamic_cache(cache) -> bool:
-    """Does every layer of ``cache`` that holds keys concatenate onto them (a DynamicCache's, re-laid in place)?"""
-    from ..layout.slots import _plain_dynamic
-
-    layers = getattr(cache, "layers", None)
-    if not layers or not hasattr(type(cache), "update"):
-        return False
-    held = [lay for lay in layers if getattr(lay, "keys", None) is not None and getattr(lay, "is_initialized", False)]
-    return bool(held) and all(_plain_dynamic(layer) for layer in held)
-
-
-def _traced_relay(
-    module: nn.Module, plan: ModelPlan, kwargs: dict, cache, mask: torch.Tensor, B: int, T: int, past_len
-) -> torch.Tensor:
-    """The eager re-lay of :func:`slot_justify` while traced (every decision a device tensor), for ``T`` tokens.
-
-    ``mask`` ``[B, L + T]``. A one-token step needs no reorder. A chunk is reordered pads first (``[B, T, ...]``
-    inputs, ``position_ids`` ``[B, T]`` / ``[K, B, T]``), its outputs put back in the caller's order by the
-    post-hook (:func:`~safepad.wrap.slot_record.slot_restore`), with ``logits_to_keep`` and a loss over ``labels``
-    applied there, as eager. (The stack cannot be read while traced: a call inside generate() is served as one
-    outside it, whose given positions are kept, generate's own counting each row's real tokens, and whose outputs
-    are put back in the caller's order; a one-token step's other outputs need no restoring.)
-    """
-    if T > 1 and past_len > 0 and _attentions_wanted(module, kwargs):
-        # measured wrong, not understood yet: a compiled chunk re-laid over a re-laid cache that returns attention
-        # weights gave wrong logits (recurrent_gemma 1.11, inkling_text 3.9e-3 off the row alone; make fuzz) where the
-        # same call without them, and the eager call with them, are exact. Refused until that is found
-        raise ValueError(
-            f"{type(module).__name__}: output_attentions=True on a compiled call of several tokens over a cache "
-            "safepad re-laid (rows with padding after real tokens) is not supported. Make this call eagerly "
-            "(torch.compiler.set_stance('force_eager')), without output_attentions, or one token at a time."
-        )
-    m = mask.to(torch.bool)
-    call = SlotJustifiedCall(m, past_len, on_device=True)  # justified mask, pad counts, order, re-lay: on the device
-    for check in plan.slot_checks:
-        check(module, call.mask)
-    record = SlotRecord(None, (B, T), None, bool(getattr(cache, _PADDED_FLAG, False)))
-    record.pads = call.pads()  # [B]: pad slots per row (unknown on the host; read by a later call without a mask)
-    record.cache = cache
-    module._safepad.slot_calls[-1] = record
-    position_ids = kwargs.get("position_ids")
-    if plan.accepts_position_ids and position_ids is None and not _mrope(module):
-        kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
-    elif T > 1 and isinstance(position_ids, torch.Tensor):
-        if position_ids.dim() == 3 and position_ids.shape[2] == T and position_ids.shape[1] in (1, B):
-            kwargs["position_ids"] = call.reorder(position_ids.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
-        elif position_ids.dim() == 2 and position_ids.shape[1] == T and position_ids.shape[0] in (1, B):
-            kwargs["position_ids"] = call.reorder(position_ids)  # [B, T]
-    if T > 1:
-        labels = kwargs.get("labels")
-        if labels is not None:
-            if not callable(getattr(module, "loss_function", None)):
-                raise ValueError(
-                    f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, "
-                    "and no loss_function to score the caller's row with: compute the loss without a cache "
-                    "(use_cache=False), or pad on the left."
-                )
-            record.labels = kwargs.pop("labels")
-            record.loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch",) if kwargs.get(k) is not None}
-        for name, value in list(kwargs.items()):
-            if name in ("attention_mask", "position_ids") or not isinstance(value, torch.Tensor) or value.dim() < 2:
-                continue
-            if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
-                kwargs[name] = call.reorder(value)
-        keep = kwargs.get("logits_to_keep")
-        if "logits_to_keep" in kwargs and not (isinstance(keep, int) and keep == 0):
-            kwargs["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
-            record.keep = keep
-    kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + T]
-    if T > 1 or _attentions_wanted(module, kwargs):
-        _ask_for_model_output(module, plan, kwargs, record)
-    call.install(cache)
-    if isinstance(kwargs.get("position_ids"), torch.Tensor):
-        kwargs["position_ids"] = call.with_moved_positions(kwargs["position_ids"])
-    record.call = call
-    return call.token_mask
 
 
 def _holds_step_pads(cache) -> bool:

@@ -1,7 +1,7 @@
 """What a slot-justified call leaves for the post-hook, and the post-hook's half: outputs back in the caller's order.
 
 The pre-hook halves (eager :func:`safepad.wrap.slot_calls.slot_justify`, traced
-:func:`safepad.wrap.slot_calls.traced_slot_step`) re-lay a cached call so every cached row stays
+:func:`safepad.wrap.traced_slot_calls.traced_slot_step`) re-lay a cached call so every cached row stays
 ``[pads | real tokens]`` (:class:`~safepad.layout.slots.SlotJustifiedCall`) and leave a :class:`SlotRecord` on the
 module; :func:`slot_restore` reads it back after the forward: every per-token output back in the caller's order
 (except inside ``generate()``), ``logits_to_keep`` and a loss over the caller's labels applied there, and the marks
