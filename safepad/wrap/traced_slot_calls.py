@@ -19,7 +19,7 @@ from torch import nn
 from .._config import text_config_value
 from .._tracing import kwarg
 from ..cache import cache_from_kwargs, recurrent_only
-from ..layout.slots import SlotJustifiedCall
+from ..layout.slots import SlotJustifiedCall, _plain_dynamic
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _RELAID_FLAG, SlotRecord, _ask_for_model_output, _attentions_wanted, _mrope,
 )
@@ -96,7 +96,7 @@ def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cach
     # count real tokens only (served in the caller's [real | pads] layout, a window counted the pads: LFM3
     # 0.27 from the row alone); a re-lay of rows without pads is the identity, and the post-hook marks the cache
     # re-laid. Other models, and caches holding tokens no call re-laid, are served in the caller's layout
-    first = cache is None or (not recurrent_only(cache) and _empty_dynamic_cache(cache))
+    first = cache is None or (not recurrent_only(cache) and _plain_dynamic_cache(cache, empty=True))
     use_cache = kwargs.get("use_cache")
     wanted = cache is not None or use_cache is True or (
         use_cache is None and bool(text_config_value(module, "use_cache", False)) and not module.training
@@ -106,27 +106,21 @@ def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cach
     return None
 
 
-def _empty_dynamic_cache(cache) -> bool:
-    """Is ``cache`` a fresh cache whose attention layers concatenate onto their keys (a ``DynamicCache``'s), none
-    holding a token yet?"""
-    from ..layout.slots import _plain_dynamic
+def _plain_dynamic_cache(cache, *, empty: bool = False) -> bool:
+    """Do the attention layers of ``cache`` concatenate onto their keys (a ``DynamicCache``'s, re-laid in place)?
 
+    ``empty=False``: every layer holding keys does, and at least one holds some (a cache to continue).
+    ``empty=True``: a fresh cache: every layer with keys does, and none holds a token yet (at least one such layer).
+    """
     layers = getattr(cache, "layers", None)
     if not layers or not hasattr(type(cache), "update"):
         return False
-    kv = [lay for lay in layers if hasattr(lay, "keys")]
-    return bool(kv) and all(_plain_dynamic(lay) and not getattr(lay, "is_initialized", False) for lay in kv)
-
-
-def _plain_dynamic_cache(cache) -> bool:
-    """Does every layer of ``cache`` that holds keys concatenate onto them (a DynamicCache's, re-laid in place)?"""
-    from ..layout.slots import _plain_dynamic
-
-    layers = getattr(cache, "layers", None)
-    if not layers or not hasattr(type(cache), "update"):
-        return False
-    held = [lay for lay in layers if getattr(lay, "keys", None) is not None and getattr(lay, "is_initialized", False)]
-    return bool(held) and all(_plain_dynamic(layer) for layer in held)
+    kv = [lay for lay in layers if hasattr(lay, "keys")]  # the attention layers
+    initialised = [lay for lay in kv if getattr(lay, "is_initialized", False)]
+    if empty:
+        return bool(kv) and not initialised and all(_plain_dynamic(lay) for lay in kv)
+    held = [lay for lay in initialised if lay.keys is not None]
+    return bool(held) and all(_plain_dynamic(lay) for lay in held)
 
 
 def _traced_relay(
