@@ -26,7 +26,7 @@ from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
-    _attentions_wanted, _mrope,
+    _attentions_wanted, _mrope, _no_loss_function, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -200,16 +200,11 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     scored = explicit or uncached_holes
     if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
         # the cache is wanted (or the row has holes): re-lay the row, score the caller's row (post-hook, slot_restore)
-        record.labels = named.pop("labels")
-        record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
+        _take_labels(named, record)
         record.restore = True
     elif named.get("labels") is not None:
         if explicit:
-            raise ValueError(
-                f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, and "
-                "no loss_function to score the caller's row with: compute the loss without a cache "
-                "(use_cache=False), or pad on the left."
-            )
+            raise _no_loss_function(module)
         if "use_cache" in params or plan.var_kwargs:
             named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
         if position_ids is None:

@@ -103,6 +103,22 @@ def _ask_for_model_output(module: nn.Module, plan: ModelPlan, named: dict, recor
     record.as_tuple = True
 
 
+def _take_labels(named: dict, record: SlotRecord) -> None:
+    """Move the caller's ``labels`` (and ``num_items_in_batch``) from the call's arguments to ``record``: the
+    post-hook takes the loss over the logits put back in the caller's order (:func:`_with_loss`)."""
+    record.labels = named.pop("labels")
+    record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
+
+
+def _no_loss_function(module: nn.Module) -> ValueError:
+    """The error for labels on a re-laid cached call of a model without a ``loss_function`` to score them with."""
+    return ValueError(
+        f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, and no "
+        "loss_function to score the caller's row with: compute the loss without a cache (use_cache=False), or pad "
+        "on the left."
+    )
+
+
 def _mrope(module: nn.Module) -> bool:
     """Multimodal rotary positions (``[3, B, T]``, computed by the model from its inputs): never synthesised here."""
     rope = text_config_value(module, "rope_parameters", None) or text_config_value(module, "rope_scaling", None)

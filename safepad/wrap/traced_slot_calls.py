@@ -22,6 +22,7 @@ from ..cache import cache_from_kwargs, recurrent_only
 from ..layout.slots import SlotJustifiedCall, _plain_dynamic
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _RELAID_FLAG, SlotRecord, _ask_for_model_output, _attentions_wanted, _mrope,
+    _no_loss_function, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -73,10 +74,8 @@ def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T
         return _traced_first_prefill(module, plan, kwargs, cache, B, T)
     if recurrent_only(cache):
         return None
-    mask = kwargs.get("attention_mask")
-    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
-    if shaped and not packed and _plain_dynamic_cache(cache):
+    mask = _rows_mask(kwargs, B)
+    if mask is not None and _plain_dynamic_cache(cache):
         past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
         if past_len > 0 and mask.shape[1] == past_len + T:
             return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
@@ -88,9 +87,7 @@ def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cach
     """:func:`traced_slot_step` on a cache no call re-laid (or none handed in)."""
     if not plan.slot_sensitive or T < 2:
         return None
-    mask = kwargs.get("attention_mask")
-    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
+    mask = _rows_mask(kwargs, B)
     # a first cached prefill (no cache handed in, or an empty DynamicCache) of a model whose attention counts
     # slots (a sliding window, slot distances): re-laid on the device as eager re-lays it, so that its steps
     # count real tokens only (served in the caller's [real | pads] layout, a window counted the pads: LFM3
@@ -101,9 +98,18 @@ def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cach
     wanted = cache is not None or use_cache is True or (
         use_cache is None and bool(text_config_value(module, "use_cache", False)) and not module.training
     )
-    if first and wanted and shaped and not packed and mask.shape[1] == T:
+    if first and wanted and mask is not None and mask.shape[1] == T:
         return _traced_relay(module, plan, kwargs, cache, mask, B, T, 0)
     return None
+
+
+def _rows_mask(kwargs: dict, B: int) -> torch.Tensor | None:
+    """The call's 2-D ``attention_mask`` ``[B, L + T]`` when its rows are not packed (no ``seq_idx`` /
+    ``cu_seq_lens_*`` tensor), else None: the calls a device re-lay can serve."""
+    mask = kwargs.get("attention_mask")
+    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
+    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
+    return mask if shaped and not packed else None
 
 
 def _plain_dynamic_cache(cache, *, empty: bool = False) -> bool:
@@ -164,13 +170,8 @@ def _traced_relay(
         labels = kwargs.get("labels")
         if labels is not None:
             if not callable(getattr(module, "loss_function", None)):
-                raise ValueError(
-                    f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, "
-                    "and no loss_function to score the caller's row with: compute the loss without a cache "
-                    "(use_cache=False), or pad on the left."
-                )
-            record.labels = kwargs.pop("labels")
-            record.loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch",) if kwargs.get(k) is not None}
+                raise _no_loss_function(module)
+            _take_labels(kwargs, record)
         for name, value in list(kwargs.items()):
             if name in ("attention_mask", "position_ids") or not isinstance(value, torch.Tensor) or value.dim() < 2:
                 continue
