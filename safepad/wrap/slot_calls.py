@@ -200,7 +200,7 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     scored = explicit or uncached_holes
     if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
         # the cache is wanted (or the row has holes): re-lay the row, score the caller's row (post-hook, slot_restore)
-        _take_labels(named, record)
+        _take_labels(module, named, record, T)
         record.restore = True
     elif named.get("labels") is not None:
         if explicit:

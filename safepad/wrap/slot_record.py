@@ -103,11 +103,37 @@ def _ask_for_model_output(module: nn.Module, plan: ModelPlan, named: dict, recor
     record.as_tuple = True
 
 
-def _take_labels(named: dict, record: SlotRecord) -> None:
+def _take_labels(module: nn.Module, named: dict, record: SlotRecord, T: int) -> None:
     """Move the caller's ``labels`` (and ``num_items_in_batch``) from the call's arguments to ``record``: the
-    post-hook takes the loss over the logits put back in the caller's order (:func:`_with_loss`)."""
+    post-hook takes the loss over the logits put back in the caller's order (:func:`_with_loss`).
+
+    ``logits_to_keep`` that keeps fewer (or more) positions than the ``[B, T]`` labels hold raises here, before the
+    forward: the loss needs a logit for every labelled position (stock fails on it too, on a shape mismatch inside
+    its loss).
+    """
+    labels, keep = named["labels"], named.get("logits_to_keep")
+    kept = _kept_positions(keep, T)
+    if kept is not None and isinstance(labels, torch.Tensor) and labels.dim() >= 1 and kept != labels.shape[-1]:
+        asked = f"logits_to_keep={keep}" if isinstance(keep, int) else f"logits_to_keep (a tensor of {kept} indices)"
+        raise ValueError(
+            f"{type(module).__name__}: labels together with {asked}, which keeps the logits of {kept} of the call's "
+            f"{T} positions, while the labels hold {labels.shape[-1]} per row: the loss needs a logit for every "
+            "labelled position. Pass logits_to_keep=0 (every position, the default) with labels, or leave out the "
+            "labels and compute the loss from the kept logits."
+        )
     record.labels = named.pop("labels")
     record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
+
+
+def _kept_positions(keep, T: int) -> int | None:
+    """How many of a call's ``T`` positions ``logits_to_keep`` keeps, as the stock forward slices them
+    (``hidden_states[:, -keep:]`` for an int, ``hidden_states[:, keep]`` for a 1-D index tensor); None when it
+    keeps every position (``0`` or absent) or is of another kind (left to the model)."""
+    if isinstance(keep, int):
+        return None if keep == 0 else (min(keep, T) if keep > 0 else max(T + keep, 0))
+    if isinstance(keep, torch.Tensor) and keep.dim() == 1 and keep.dtype != torch.bool:
+        return keep.shape[0]
+    return None
 
 
 def _no_loss_function(module: nn.Module) -> ValueError:

@@ -171,7 +171,7 @@ def _traced_relay(
         if labels is not None:
             if not callable(getattr(module, "loss_function", None)):
                 raise _no_loss_function(module)
-            _take_labels(kwargs, record)
+            _take_labels(module, kwargs, record, T)
         for name, value in list(kwargs.items()):
             if name in ("attention_mask", "position_ids") or not isinstance(value, torch.Tensor) or value.dim() < 2:
                 continue
