@@ -26,7 +26,7 @@ from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
-    _attentions_wanted, _mrope, _no_loss_function, _take_labels,
+    _attentions_wanted, _defer_logits_to_keep, _install, _mrope, _no_loss_function, _reorder_inputs, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -211,29 +211,16 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
             named.pop("position_ids", None)
         record.padded = False
         return (), named
-    for name, value in list(named.items()):
-        if name in ("attention_mask", "labels") or not isinstance(value, torch.Tensor) or value.dim() < 2:
-            continue
-        if name == "position_ids" and replace_positions:
-            continue  # already in the justified order
-        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and value.shape[1] in (1, B):
-            named[name] = call.reorder(value.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
-            continue
-        if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
-            named[name] = call.reorder(value)
+    # (replaced position_ids are in the justified order already)
+    _reorder_inputs(call, named, B, T, ("attention_mask", "labels") + (("position_ids",) if replace_positions else ()))
     named["attention_mask"] = call.mask.to(mask.dtype)
-    keep = named.get("logits_to_keep")
-    if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
-        named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
-        record.keep = keep
+    if call.order is not None:
+        _defer_logits_to_keep(named, record)  # every position, put back in order, then the kept ones (post-hook)
     # (attention weights address cache slots even when the chunk keeps its order; a step's other outputs need no
     # restoring: one token keeps its order)
     if record.restore and not (step and not _attentions_wanted(module, named)):
         _ask_for_model_output(module, plan, named, record)
-    call.install(cache)
-    if isinstance(named.get("position_ids"), torch.Tensor):
-        named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
-    record.call = call
+    _install(call, cache, named, record)
     return (), named
 
 

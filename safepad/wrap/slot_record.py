@@ -125,6 +125,39 @@ def _take_labels(module: nn.Module, named: dict, record: SlotRecord, T: int) -> 
     record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
 
 
+def _reorder_inputs(call: SlotJustifiedCall, named: dict, B: int, T: int, skip: tuple[str, ...]) -> None:
+    """Every ``[B, T, ...]`` (or ``[1, T, ...]``) current-token input in ``named``, and ``[K, B, T]``
+    ``position_ids``, put in the call's justified order, in place; the inputs named in ``skip`` are left as they
+    are."""
+    for name, value in list(named.items()):
+        if name in skip or not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and value.shape[1] in (1, B):
+            named[name] = call.reorder(value.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
+            continue
+        if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
+            named[name] = call.reorder(value)
+
+
+def _defer_logits_to_keep(named: dict, record: SlotRecord) -> None:
+    """A reordered call computes every position's logits (``logits_to_keep=0``): the post-hook puts them back in
+    the caller's order, then keeps the ones asked for (``record.keep``, :func:`_restored`)."""
+    keep = named.get("logits_to_keep")
+    if "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
+        named["logits_to_keep"] = 0
+        record.keep = keep
+
+
+def _install(call: SlotJustifiedCall, cache, named: dict, record: SlotRecord) -> None:
+    """Route the cache's updates through the call's re-lay, give the chunk's ``position_ids`` the stored positions
+    of the cached slots the re-lay moves into it (:meth:`~safepad.layout.slots.SlotJustifiedCall.with_moved_positions`),
+    and hand the call to ``record`` (the post-hook uninstalls it)."""
+    call.install(cache)
+    if isinstance(named.get("position_ids"), torch.Tensor):
+        named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
+    record.call = call
+
+
 def _kept_positions(keep, T: int) -> int | None:
     """How many of a call's ``T`` positions ``logits_to_keep`` keeps, as the stock forward slices them
     (``hidden_states[:, -keep:]`` for an int, ``hidden_states[:, keep]`` for a 1-D index tensor); None when it

@@ -22,7 +22,7 @@ from ..cache import cache_from_kwargs, recurrent_only
 from ..layout.slots import SlotJustifiedCall, _plain_dynamic
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _RELAID_FLAG, SlotRecord, _ask_for_model_output, _attentions_wanted, _mrope,
-    _no_loss_function, _take_labels,
+    _defer_logits_to_keep, _install, _no_loss_function, _reorder_inputs, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -172,20 +172,10 @@ def _traced_relay(
             if not callable(getattr(module, "loss_function", None)):
                 raise _no_loss_function(module)
             _take_labels(module, kwargs, record, T)
-        for name, value in list(kwargs.items()):
-            if name in ("attention_mask", "position_ids") or not isinstance(value, torch.Tensor) or value.dim() < 2:
-                continue
-            if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
-                kwargs[name] = call.reorder(value)
-        keep = kwargs.get("logits_to_keep")
-        if "logits_to_keep" in kwargs and not (isinstance(keep, int) and keep == 0):
-            kwargs["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
-            record.keep = keep
+        _reorder_inputs(call, kwargs, B, T, ("attention_mask", "position_ids"))
+        _defer_logits_to_keep(kwargs, record)  # every position, put back in order, then the kept ones (post-hook)
     kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + T]
     if T > 1 or _attentions_wanted(module, kwargs):
         _ask_for_model_output(module, plan, kwargs, record)
-    call.install(cache)
-    if isinstance(kwargs.get("position_ids"), torch.Tensor):
-        kwargs["position_ids"] = call.with_moved_positions(kwargs["position_ids"])
-    record.call = call
+    _install(call, cache, kwargs, record)
     return call.token_mask
