@@ -53,7 +53,7 @@ from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
-from .slot_record import _mrope, slot_restore
+from .slot_record import _cache_wanted, _mrope, _past_length, slot_restore
 from .traced_slot_calls import traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
@@ -318,10 +318,7 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
     """
     params = plan.params
     cache = cache_from_kwargs(kwargs)[1]
-    use_cache = kwargs.get("use_cache")
-    explicit = cache is not None or use_cache is True
-    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
-    uncached = not wanted or (module.training and not explicit)
+    uncached = not _cache_wanted(module, cache, kwargs.get("use_cache"))[2]  # no cache, or one nobody reads
     if uncached:  # with or without the caller's position_ids: slots, not positions, are what such models count
         _traced_refuse_slot_holes(module, plan, T, mask, ids)
     if not plan.accepts_position_ids or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
@@ -331,12 +328,7 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
     if uncached:
         _traced_hole_positions(module, plan, kwargs, T, mask, ids)
         return
-    past = 0
-    if cache is not None and hasattr(cache, "get_seq_length"):
-        try:
-            past = cache.get_seq_length()  # an int, or a symbolic size while traced (no host read)
-        except ValueError:  # a recurrent-only cache: no attention layer reads positions
-            past = 0
+    past = _past_length(cache, traced=True)  # an int, or a symbolic size while traced (no host read)
     if mask is None:
         kwargs["position_ids"] = (past + torch.arange(T, device=ids.device))[None].expand(ids.shape[0], T)
         return

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .._config import text_config_value
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
-    _attentions_wanted, _defer_logits_to_keep, _install, _mrope, _no_loss_function, _reorder_inputs, _take_labels,
+    _attentions_wanted, _cache_wanted, _defer_logits_to_keep, _install, _mrope, _no_loss_function, _past_length,
+    _reorder_inputs, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -66,9 +66,7 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
         return args, kwargs  # packed rows: the packed policy applies (no cache)
     cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
-    use_cache = _arg(args, kwargs, params, "use_cache")
-    explicit = cache is not None or use_cache is True
-    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
+    explicit, wanted, read = _cache_wanted(module, cache, _arg(args, kwargs, params, "use_cache"))
     mask = _arg(args, kwargs, params, "attention_mask")
     past_len = _past_length(cache)
     if past_len == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > T and _uncounted(cache):
@@ -100,7 +98,7 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     m = mask.to(torch.bool)
     # a one-token step on a re-laid cache or with slot-counting attention: decided on the device (SlotJustifiedCall)
     step = T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1
-    if not wanted or (module.training and not explicit):
+    if not read:
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
         # a hybrid's row has a pad between real tokens (a hole). Its attention would count the hole in its rotary
         # positions (when none are given), its sliding window and slot distances, while the row alone has no such
@@ -244,19 +242,6 @@ def _uncounted(cache) -> bool:
     except ValueError:
         return any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers)
     return False
-
-
-def _past_length(cache) -> int:
-    """Tokens the cache holds; 0 for a recurrent-only cache safepad has not counted yet (``CachePreHook``, which
-    runs after this hook, starts counting it or raises when it cannot)."""
-    if cache is None or not hasattr(cache, "get_seq_length"):
-        return 0
-    try:
-        return int(cache.get_seq_length())
-    except ValueError:
-        if recurrent_only(cache):
-            return 0
-        raise
 
 
 def _drop_cached_prefix(plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int):

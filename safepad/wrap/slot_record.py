@@ -6,7 +6,8 @@ The pre-hook halves (eager :func:`safepad.wrap.slot_calls.slot_justify`, traced
 module; :func:`slot_restore` reads it back after the forward: every per-token output back in the caller's order
 (except inside ``generate()``), ``logits_to_keep`` and a loss over the caller's labels applied there, and the marks
 a later call reads (padded, re-laid, pad slots per row, a position shift) set on the cache. Also the small pieces
-both pre-hook halves share (return a ModelOutput, attention weights wanted, multimodal rotary positions).
+both pre-hook halves share (return a ModelOutput, attention weights wanted, multimodal rotary positions), and the
+ones the eager and the traced hook share (is a cache wanted, the cache's length, positions from a mask).
 """
 
 from __future__ import annotations
@@ -182,6 +183,63 @@ def _mrope(module: nn.Module) -> bool:
     """Multimodal rotary positions (``[3, B, T]``, computed by the model from its inputs): never synthesised here."""
     rope = text_config_value(module, "rope_parameters", None) or text_config_value(module, "rope_scaling", None)
     return isinstance(rope, dict) and any(k.startswith("mrope") for k in rope)
+
+
+def _cache_wanted(module: nn.Module, cache, use_cache) -> tuple[bool, bool, bool]:
+    """Is a cache wanted for this call: ``(explicit, wanted, read)``, the one rule of the eager and traced hooks.
+
+    ``cache`` is the cache handed in (or None), ``use_cache`` the call's own argument (or None). ``explicit``: the
+    caller asked for one (a cache passed, or ``use_cache=True``). ``wanted``: the call builds or continues one
+    (explicit, or ``use_cache`` not given and the config's ``use_cache`` on). ``read``: someone reads it, i.e.
+    ``wanted`` except the config default's in a training step (nobody reads that one: such a call is served as an
+    uncached one). ``module.training`` is read only where it decides (``wanted`` and not ``explicit``).
+    """
+    explicit = cache is not None or use_cache is True
+    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
+    # the training difference: the config default's cache in a training step is wanted (built) but not read
+    read = explicit or (wanted and not module.training)
+    return explicit, wanted, read
+
+
+def _past_length(cache, *, traced: bool = False):
+    """Tokens the cache holds; 0 without a cache, and for a recurrent-only cache safepad has not counted yet
+    (``CachePreHook``, which runs after this hook, starts counting it or raises when it cannot).
+
+    ``traced=False`` (the eager hook): an ``int`` (a host read), and a ``ValueError`` from a cache with attention
+    layers propagates. ``traced=True`` (the traced hook, which reads it for positions only): the size as the cache
+    answers it, an int or a symbolic size under dynamic shapes (``int()`` would specialise it), and any
+    ``ValueError`` reads as 0 (as before; the model's own forward asks the cache for its length too, and raises
+    there). transformers raises that error only for caches without attention layers.
+    """
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return 0
+    try:
+        return cache.get_seq_length() if traced else int(cache.get_seq_length())
+    except ValueError:
+        if traced or recurrent_only(cache):
+            return 0
+        raise
+
+
+def _arange_positions(past, B: int, T: int, device) -> torch.Tensor:
+    """``[B, T]`` positions ``past + arange(T)`` of a call without padding (``past``: the cached tokens, an int or
+    a symbolic size)."""
+    return (past + torch.arange(T, device=device))[None].expand(B, T)
+
+
+def _mask_positions(mask: torch.Tensor, T: int, past=0) -> torch.Tensor:
+    """``[B, T]`` long: each of the call's ``T`` tokens' position among its row's real tokens, on the mask's device.
+
+    ``mask`` ``[B, M]`` (True / 1 = real) covers the call's tokens in its last ``T`` columns, and ``M - T`` cached
+    ones before them: ``cumsum(mask) - 1`` over its last ``T`` columns (a pad takes the previous real token's, 0
+    before any), plus the cached tokens the mask does not cover (``past + T - M``; ``past`` an int or a symbolic
+    size). Device-tensor math, no host read. A one-token call takes the row's sum (no ``[B, M]`` cumsum).
+    """
+    real = mask.long()
+    pos = real.sum(1, keepdim=True) if T == 1 else real.cumsum(1)[:, -T:]
+    pos = (pos - 1).clamp(min=0)
+    offset = past + T - mask.shape[1]
+    return pos if isinstance(offset, int) and offset == 0 else pos + offset
 
 
 def _with_loss(record: SlotRecord, call: SlotJustifiedCall | None, output, module: nn.Module):

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .._config import text_config_value
 from .._tracing import kwarg
 from ..cache import cache_from_kwargs, recurrent_only
 from ..layout.slots import SlotJustifiedCall, _plain_dynamic
 from .slot_record import (
-    _PACKED_NAMES, _PADDED_FLAG, _RELAID_FLAG, SlotRecord, _ask_for_model_output, _attentions_wanted, _mrope,
-    _defer_logits_to_keep, _install, _no_loss_function, _reorder_inputs, _take_labels,
+    _PACKED_NAMES, _PADDED_FLAG, _RELAID_FLAG, SlotRecord, _ask_for_model_output, _attentions_wanted, _cache_wanted,
+    _mrope, _defer_logits_to_keep, _install, _no_loss_function, _reorder_inputs, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -94,11 +93,9 @@ def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cach
     # 0.27 from the row alone); a re-lay of rows without pads is the identity, and the post-hook marks the cache
     # re-laid. Other models, and caches holding tokens no call re-laid, are served in the caller's layout
     first = cache is None or (not recurrent_only(cache) and _plain_dynamic_cache(cache, empty=True))
-    use_cache = kwargs.get("use_cache")
-    wanted = cache is not None or use_cache is True or (
-        use_cache is None and bool(text_config_value(module, "use_cache", False)) and not module.training
-    )
-    if first and wanted and mask is not None and mask.shape[1] == T:
+    # a cache someone reads (not the config default's in a training step, which is built but not read)
+    read = _cache_wanted(module, cache, kwargs.get("use_cache"))[2]
+    if first and read and mask is not None and mask.shape[1] == T:
         return _traced_relay(module, plan, kwargs, cache, mask, B, T, 0)
     return None
 
