@@ -53,7 +53,7 @@ from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
-from .slot_record import _cache_wanted, _mrope, _past_length, slot_restore
+from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
 from .traced_slot_calls import traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
@@ -329,12 +329,11 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
         _traced_hole_positions(module, plan, kwargs, T, mask, ids)
         return
     past = _past_length(cache, traced=True)  # an int, or a symbolic size while traced (no host read)
+    # the eager hook's positions (slot_calls._with_cache_positions, _decode_step), the same helpers
     if mask is None:
-        kwargs["position_ids"] = (past + torch.arange(T, device=ids.device))[None].expand(ids.shape[0], T)
+        kwargs["position_ids"] = _arange_positions(past, ids.shape[0], T, ids.device)  # [B, T]
         return
-    real = mask.to(device=ids.device, dtype=torch.long)  # [B, M]
-    pos = (real.cumsum(1) - 1).clamp(min=0)[:, -T:]  # [B, T]
-    kwargs["position_ids"] = pos + (past + T - mask.shape[1])
+    kwargs["position_ids"] = _mask_positions(mask.to(device=ids.device, dtype=torch.long), T, past)  # [B, T]
 
 
 def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: int, mask, ids: torch.Tensor) -> None:
@@ -354,7 +353,8 @@ def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: 
     arange = torch.arange(T, device=ids.device).expand(m.shape[0], T)  # [B, T]
     if plan.hybrid:  # left pads too, as eager (slot_calls._with_real_positions): the rollout's positions
         holes = holes | pads_before_real(m).any()
-    kwargs["position_ids"] = torch.where(holes, (m.long().cumsum(1) - 1).clamp(min=0), arange)  # [B, T]
+    # eager's positions (slot_calls._with_real_positions, the same helper) where eager gives them
+    kwargs["position_ids"] = torch.where(holes, _mask_positions(m, T), arange)  # [B, T]
 
 
 def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, ids: torch.Tensor) -> None:

@@ -25,8 +25,8 @@ from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
-    _attentions_wanted, _cache_wanted, _defer_logits_to_keep, _install, _mrope, _no_loss_function, _past_length,
-    _reorder_inputs, _take_labels,
+    _arange_positions, _attentions_wanted, _cache_wanted, _defer_logits_to_keep, _install, _mask_positions, _mrope,
+    _no_loss_function, _past_length, _reorder_inputs, _take_labels,
 )
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _decode_step(
         return args, kwargs
     named = dict(zip(params, args))
     named.update(kwargs)
-    named["position_ids"] = (mask.long().sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1]
+    named["position_ids"] = _mask_positions(mask, 1, past_len)  # [B, 1]: the mask covers the cache and the step
     return (), named
 
 
@@ -318,7 +318,7 @@ def _with_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwarg
     ids = next((v for n in ("input_ids", "inputs_embeds") if isinstance(v := _arg(args, kwargs, params, n), torch.Tensor)), None)
     named = dict(zip(params, args))
     named.update(kwargs)
-    named["position_ids"] = (past_len + torch.arange(T, device=ids.device))[None].expand(B, T)
+    named["position_ids"] = _arange_positions(past_len, B, T, ids.device)  # [B, T]
     return (), named
 
 
@@ -342,5 +342,5 @@ def _with_real_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs
         return args, kwargs
     named = dict(zip(params, args))
     named.update(kwargs)
-    named["position_ids"] = (m.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
+    named["position_ids"] = _mask_positions(m, T)  # [B, T]
     return (), named
