@@ -42,7 +42,7 @@ def check_slot_log_scaling(module: nn.Module, layout: torch.Tensor) -> None:
             "the floor, or run such rows without padding."
         )
 
-    if tracing():  # a compiled call (safepad.wrap.slot_calls.traced_slot_step): checked on the device
+    if tracing():  # a compiled call (safepad.wrap.traced_slot_calls.traced_slot_step): checked on the device
         device_check(~bad.any(), message("a row"))
     elif bool(bad.any()):
         raise ValueError(message(f"row {int(bad.any(1).nonzero()[0])}"))

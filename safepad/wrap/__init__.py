@@ -9,6 +9,8 @@ One generic patcher plus one model-level hook, one concern per file:
 * :mod:`.frames`: the enclosing-call stack walk and ``generate()`` detection;
 * :mod:`.generate`: the wrapped ``generate`` / ``prepare_inputs_for_generation`` (right-padded prompts, continued caches);
 * :mod:`.slot_calls`: slot-justified cached calls (every cached row kept ``[pads | real tokens]``, positions);
+  :mod:`.traced_slot_calls`: the same re-lay while traced, decided on the device; :mod:`.slot_record`: what such
+  a call leaves for the post-hook, which puts its outputs back in the caller's order;
 * :mod:`.attention_masks`: block-diagonal masks for packed hybrids whose mask construction ignores packing.
 """
 

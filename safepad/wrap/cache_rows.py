@@ -147,7 +147,7 @@ def _move_bookkeeping(cache: Any, rows: torch.Tensor, batch: int) -> None:
     and the ids a generate read ``[B, n]``."""
     from ..cache import _RECORD_ATTR, _state_versions
     from .generate import _ROPE_DELTAS_ATTR
-    from .slot_calls import _PADS_ATTR, _SHIFT_ATTR, _GenerateShift
+    from .slot_record import _PADS_ATTR, _SHIFT_ATTR, _GenerateShift
 
     d = cache.__dict__
     if isinstance(d.get(_PADS_ATTR), torch.Tensor):

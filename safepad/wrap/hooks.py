@@ -52,7 +52,9 @@ from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
-from .slot_calls import _mrope, slot_justify, slot_restore, traced_slot_step
+from .slot_calls import slot_justify
+from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
+from .traced_slot_calls import traced_slot_step
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
@@ -167,7 +169,7 @@ class _ModelPreHook:
         if traced:
             # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
             # ([B, T] token mask, a chunk reordered pads first); any other call on such a cache raises
-            # (slot_calls.check_traced_cache)
+            # (traced_slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             forget_read(cache)  # a forward outside generate: generate's record of it is stale
@@ -316,10 +318,7 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
     """
     params = plan.params
     cache = cache_from_kwargs(kwargs)[1]
-    use_cache = kwargs.get("use_cache")
-    explicit = cache is not None or use_cache is True
-    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
-    uncached = not wanted or (module.training and not explicit)
+    uncached = not _cache_wanted(module, cache, kwargs.get("use_cache"))[2]  # no cache, or one nobody reads
     if uncached:  # with or without the caller's position_ids: slots, not positions, are what such models count
         _traced_refuse_slot_holes(module, plan, T, mask, ids)
     if not plan.accepts_position_ids or _first_tensor(args, kwargs, ("position_ids",), params) is not None:
@@ -329,18 +328,12 @@ def _traced_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwa
     if uncached:
         _traced_hole_positions(module, plan, kwargs, T, mask, ids)
         return
-    past = 0
-    if cache is not None and hasattr(cache, "get_seq_length"):
-        try:
-            past = cache.get_seq_length()  # an int, or a symbolic size while traced (no host read)
-        except ValueError:  # a recurrent-only cache: no attention layer reads positions
-            past = 0
+    past = _past_length(cache, traced=True)  # an int, or a symbolic size while traced (no host read)
+    # the eager hook's positions (slot_calls._with_cache_positions, _decode_step), the same helpers
     if mask is None:
-        kwargs["position_ids"] = (past + torch.arange(T, device=ids.device))[None].expand(ids.shape[0], T)
+        kwargs["position_ids"] = _arange_positions(past, ids.shape[0], T, ids.device)  # [B, T]
         return
-    real = mask.to(device=ids.device, dtype=torch.long)  # [B, M]
-    pos = (real.cumsum(1) - 1).clamp(min=0)[:, -T:]  # [B, T]
-    kwargs["position_ids"] = pos + (past + T - mask.shape[1])
+    kwargs["position_ids"] = _mask_positions(mask.to(device=ids.device, dtype=torch.long), T, past)  # [B, T]
 
 
 def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: int, mask, ids: torch.Tensor) -> None:
@@ -360,7 +353,8 @@ def _traced_hole_positions(module: nn.Module, plan: ModelPlan, kwargs: dict, T: 
     arange = torch.arange(T, device=ids.device).expand(m.shape[0], T)  # [B, T]
     if plan.hybrid:  # left pads too, as eager (slot_calls._with_real_positions): the rollout's positions
         holes = holes | pads_before_real(m).any()
-    kwargs["position_ids"] = torch.where(holes, (m.long().cumsum(1) - 1).clamp(min=0), arange)  # [B, T]
+    # eager's positions (slot_calls._with_real_positions, the same helper) where eager gives them
+    kwargs["position_ids"] = torch.where(holes, _mask_positions(m, T), arange)  # [B, T]
 
 
 def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, ids: torch.Tensor) -> None:

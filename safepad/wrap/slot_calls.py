@@ -1,10 +1,11 @@
-"""Slot-justified cached calls, for every family: cached rows stay ``[pads | real tokens]``.
+"""Slot-justified cached calls, for every family: cached rows stay ``[pads | real tokens]`` (eager calls).
 
 The generic half of :mod:`safepad.layout.slots` inside the model hook: a cached call on rows with padding after
 real tokens is re-laid so every cached row stays ``[pads | real tokens]`` (the left-padded layout stock produces;
 :class:`~safepad.layout.slots.SlotJustifiedCall`): sliding windows, slot-relative positions and selected key
 slots then see real tokens only, and a row's last real token is its last column. The post-hook puts the outputs
-back in the caller's order, except inside ``generate()``, which reads each row's next token from the last column.
+back in the caller's order (:mod:`safepad.wrap.slot_record`), except inside ``generate()``, which reads each row's
+next token from the last column. A traced call is re-laid on the device instead (:mod:`safepad.wrap.traced_slot_calls`).
 Cached calls also get each token's real position when the caller gives none (the cached real tokens plus
 ``cumsum(mask) - 1``; ``cache length + arange`` without padding), and inside ``generate()`` the mask decides the
 2-D positions. A spec may add a ``slot_check(module, layout)`` option that refuses layouts its attention cannot
@@ -18,75 +19,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .._config import text_config_value
-from .._tracing import kwarg
-from ..cache import CACHE_NAMES, cache_from_kwargs, recurrent_only
+from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
+from .slot_record import (
+    _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
+    _arange_positions, _attentions_wanted, _cache_wanted, _defer_logits_to_keep, _install, _mask_positions, _mrope,
+    _no_loss_function, _past_length, _reorder_inputs, _take_labels,
+)
 
 if TYPE_CHECKING:
     from .plan import ModelPlan
 
-__all__ = ["SlotRecord", "check_traced_cache", "slot_justify", "slot_restore", "traced_slot_step"]
-
-_PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
-#: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
-_PADDED_FLAG = "_safepad_padded_slots"
-#: marks a cache whose rows an eager call re-laid (pads moved, or a decode step's device re-lay): its later calls
-#: are re-laid too, traced ones on the device (traced_slot_step)
-_RELAID_FLAG = "_safepad_relaid_slots"
-#: mixer kinds whose layers read cache slots (Inkling's slot-relative positions, DSA-selected key slots, QSA
-#: indexer positions)
-#: ``[B]`` long device tensor on a cache: pad slots per row after an eager decode step re-laid on the device (the
-#: host never read whether the step token was a pad); a later call without an attention_mask checks it
-_PADS_ATTR = "_safepad_slot_pads"
-#: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
-_SHIFT_ATTR = "_safepad_position_shift"
-
-
-class _GenerateShift:
-    """The position shift ``[K, B, 1]`` of stacked positions kept on a cache for the rest of one ``generate`` call
-    (``frame``: that call's frame). A copied or pickled cache drops it: a copy continues in another call, where the
-    shift does not apply (and a frame can be neither copied nor pickled)."""
-
-    __slots__ = ("frame", "shift")
-
-    def __init__(self, frame: Any, shift: torch.Tensor) -> None:
-        self.frame, self.shift = frame, shift
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self):
-        return (type(None), ())
-
-
-class SlotRecord:
-    """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
-
-    __slots__ = (
-        "as_tuple", "cache", "call", "keep", "labels", "loss_kwargs", "padded", "pads", "restore", "shape", "shift"
-    )
-
-    def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
-                 restore: bool = True):
-        self.call, self.shape, self.keep, self.padded = call, shape, keep, padded
-        # False inside generate(): it reads each row's next token from the LAST column, which the justified
-        # layout makes the row's last real token
-        self.restore = restore
-        self.shift = None  # [K, B, 1] position shift to keep with the cache (stacked positions in generate)
-        # labels of a loss call with an explicit cache on re-laid rows: the loss is taken by the post-hook, over the
-        # logits put back in the caller's order (the model itself would score the re-laid row)
-        self.labels = None
-        self.loss_kwargs: dict = {}
-        # the caller asked for a tuple (return_dict=False, or a config that returns tuples): the forward returns a
-        # ModelOutput, whose fields are named (slot_restore puts each back by its name), and to_tuple() is returned
-        self.as_tuple = False
-        # [B] long pad slots per row of the cache after a decode step (device; kept with the cache by slot_restore)
-        self.pads = None
-        # the cache handed in: marked re-laid / padded when the output carries none (RecurrentGemma)
-        self.cache = None
+__all__ = ["slot_justify"]
 
 
 def _arg(args: tuple, kwargs: dict, params: tuple[str, ...], name: str):
@@ -110,7 +56,7 @@ def _decode_step(
         return args, kwargs
     named = dict(zip(params, args))
     named.update(kwargs)
-    named["position_ids"] = (mask.long().sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1]
+    named["position_ids"] = _mask_positions(mask, 1, past_len)  # [B, 1]: the mask covers the cache and the step
     return (), named
 
 
@@ -120,9 +66,7 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
         return args, kwargs  # packed rows: the packed policy applies (no cache)
     cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
-    use_cache = _arg(args, kwargs, params, "use_cache")
-    explicit = cache is not None or use_cache is True
-    wanted = explicit or (use_cache is None and bool(text_config_value(module, "use_cache", False)))
+    explicit, wanted, read = _cache_wanted(module, cache, _arg(args, kwargs, params, "use_cache"))
     mask = _arg(args, kwargs, params, "attention_mask")
     past_len = _past_length(cache)
     if past_len == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > T and _uncounted(cache):
@@ -154,7 +98,7 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     m = mask.to(torch.bool)
     # a one-token step on a re-laid cache or with slot-counting attention: decided on the device (SlotJustifiedCall)
     step = T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1
-    if not wanted or (module.training and not explicit):
+    if not read:
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
         # a hybrid's row has a pad between real tokens (a hole). Its attention would count the hole in its rotary
         # positions (when none are given), its sliding window and slot distances, while the row alone has no such
@@ -254,224 +198,28 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     scored = explicit or uncached_holes
     if named.get("labels") is not None and scored and callable(getattr(module, "loss_function", None)):
         # the cache is wanted (or the row has holes): re-lay the row, score the caller's row (post-hook, slot_restore)
-        record.labels = named.pop("labels")
-        record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
+        _take_labels(module, named, record, T)
         record.restore = True
     elif named.get("labels") is not None:
         if explicit:
-            raise ValueError(
-                f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, and "
-                "no loss_function to score the caller's row with: compute the loss without a cache "
-                "(use_cache=False), or pad on the left."
-            )
+            raise _no_loss_function(module)
         if "use_cache" in params or plan.var_kwargs:
             named["use_cache"] = False  # the cache only the config default would build is of no use to a loss call
         if position_ids is None:
             named.pop("position_ids", None)
         record.padded = False
         return (), named
-    for name, value in list(named.items()):
-        if name in ("attention_mask", "labels") or not isinstance(value, torch.Tensor) or value.dim() < 2:
-            continue
-        if name == "position_ids" and replace_positions:
-            continue  # already in the justified order
-        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and value.shape[1] in (1, B):
-            named[name] = call.reorder(value.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
-            continue
-        if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
-            named[name] = call.reorder(value)
+    # (replaced position_ids are in the justified order already)
+    _reorder_inputs(call, named, B, T, ("attention_mask", "labels") + (("position_ids",) if replace_positions else ()))
     named["attention_mask"] = call.mask.to(mask.dtype)
-    keep = named.get("logits_to_keep")
-    if call.order is not None and "logits_to_keep" in named and not (isinstance(keep, int) and keep == 0):
-        named["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
-        record.keep = keep
+    if call.order is not None:
+        _defer_logits_to_keep(named, record)  # every position, put back in order, then the kept ones (post-hook)
     # (attention weights address cache slots even when the chunk keeps its order; a step's other outputs need no
     # restoring: one token keeps its order)
     if record.restore and not (step and not _attentions_wanted(module, named)):
         _ask_for_model_output(module, plan, named, record)
-    call.install(cache)
-    if isinstance(named.get("position_ids"), torch.Tensor):
-        named["position_ids"] = call.with_moved_positions(named["position_ids"])  # a cached position history
-    record.call = call
+    _install(call, cache, named, record)
     return (), named
-
-
-def _attentions_wanted(module: nn.Module, named: dict) -> bool:
-    """Does the call return attention weights (``output_attentions``, else the model config's)?"""
-    wanted = named.get("output_attentions")
-    return bool(getattr(getattr(module, "config", None), "output_attentions", False) if wanted is None else wanted)
-
-
-def _ask_for_model_output(module: nn.Module, plan: ModelPlan, named: dict, record: SlotRecord) -> None:
-    """A caller asking for a tuple gets the ModelOutput's ``to_tuple()`` (the post-hook restores the fields by name).
-
-    A tuple holds no field names, so the post-hook could not tell hidden states from attention weights or router
-    logits; stock returns exactly ``ModelOutput.to_tuple()`` for ``return_dict=False``.
-    """
-    wanted = named.get("return_dict")
-    if wanted is None:
-        wanted = text_config_value(module, "return_dict", True) is not False
-    if wanted or not ("return_dict" in plan.params or plan.var_kwargs):
-        return
-    named["return_dict"] = True
-    record.as_tuple = True
-
-
-def check_traced_cache(module: nn.Module, kwargs: dict) -> None:
-    """While dynamo traces a cached call that :func:`traced_slot_step` cannot re-lay on the device: refuse a cache
-    whose rows an eager call re-laid.
-
-    The device re-lay needs the full-length 2-D ``attention_mask`` (the cached tokens plus the new ones: which of
-    the cached slots are real) and a cache whose layers concatenate onto their keys (a ``DynamicCache``'s, re-laid
-    in place). Without either, the call's mask and positions would address the caller's layout while the cache holds
-    the justified one, silently wrong. A re-laid cache carries a Python attribute (set by :func:`slot_restore`),
-    read here at trace time. (Also for a cache only decode steps re-laid, where no row's token may have been a pad:
-    unknown on the host.)
-    """
-    cache = cache_from_kwargs(kwargs)[1]
-    if cache is not None and getattr(cache, _RELAID_FLAG, False):
-        raise ValueError(
-            f"{type(module).__name__}: this cache holds rows that safepad re-laid in an eager call (a prompt with "
-            "padding after real tokens, e.g. right padding), and this compiled call cannot keep that layout, so its "
-            "result would be wrong: a compiled call on it needs the full-length 2-D attention_mask (the cached tokens "
-            "plus the new ones, as generate() passes) and a DynamicCache (the default). Pass them, or make this call "
-            "eagerly (torch.compiler.set_stance('force_eager')), or pad prompts on the left "
-            "(tokenizer.padding_side = 'left')."
-        )
-
-
-def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T: int) -> torch.Tensor | None:
-    """While dynamo traces a cached call: keep the slot-justified layout of a cache a call has re-laid.
-
-    A cache that an eager call re-laid (a chunk with padding after real tokens, or a decode step, which re-lays on
-    the device whether or not its token is a pad; a Python mark read at trace time) holds every row
-    ``[pads | real tokens]``, unlike the caller's mask. A call of ``T`` tokens with a 2-D ``attention_mask``
-    ``[B, L + T]`` over a ``DynamicCache`` holding ``L`` slots is re-laid on the device as eager calls are
-    (:class:`SlotJustifiedCall`, every decision a device tensor, :func:`_traced_relay`): a one-token step, and a
-    chunk of several tokens (a chunked prefill, an assisted-decoding verify call), which is always reordered pads
-    first and put back in the caller's order by the post-hook. ``kwargs`` is updated in place. Any other call on
-    such a cache raises (:func:`check_traced_cache`).
-
-    A cache no call re-laid is in the caller's layout and is served as it is. Returns the call's token mask
-    ``[B, T]`` bool (in the justified order) when the call was re-laid, else None.
-    """
-    cache = cache_from_kwargs(kwargs)[1]
-    if cache is None or not getattr(cache, _RELAID_FLAG, False):
-        return _traced_first_prefill(module, plan, kwargs, cache, B, T)
-    if recurrent_only(cache):
-        return None
-    mask = kwargs.get("attention_mask")
-    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
-    if shaped and not packed and _plain_dynamic_cache(cache):
-        past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
-        if past_len > 0 and mask.shape[1] == past_len + T:
-            return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
-    check_traced_cache(module, kwargs)
-    return None
-
-
-def _traced_first_prefill(module: nn.Module, plan: ModelPlan, kwargs: dict, cache, B: int, T: int):
-    """:func:`traced_slot_step` on a cache no call re-laid (or none handed in)."""
-    if not plan.slot_sensitive or T < 2:
-        return None
-    mask = kwargs.get("attention_mask")
-    shaped = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B
-    packed = any(isinstance(kwarg(kwargs, n), torch.Tensor) for n in _PACKED_NAMES)
-    # a first cached prefill (no cache handed in, or an empty DynamicCache) of a model whose attention counts
-    # slots (a sliding window, slot distances): re-laid on the device as eager re-lays it, so that its steps
-    # count real tokens only (served in the caller's [real | pads] layout, a window counted the pads: LFM3
-    # 0.27 from the row alone); a re-lay of rows without pads is the identity, and the post-hook marks the cache
-    # re-laid. Other models, and caches holding tokens no call re-laid, are served in the caller's layout
-    first = cache is None or (not recurrent_only(cache) and _empty_dynamic_cache(cache))
-    use_cache = kwargs.get("use_cache")
-    wanted = cache is not None or use_cache is True or (
-        use_cache is None and bool(text_config_value(module, "use_cache", False)) and not module.training
-    )
-    if first and wanted and shaped and not packed and mask.shape[1] == T:
-        return _traced_relay(module, plan, kwargs, cache, mask, B, T, 0)
-    return None
-
-
-def _empty_dynamic_cache(cache) -> bool:
-    """Is ``cache`` a fresh cache whose attention layers concatenate onto their keys (a ``DynamicCache``'s), none
-    holding a token yet?"""
-    from ..layout.slots import _plain_dynamic
-
-    layers = getattr(cache, "layers", None)
-    if not layers or not hasattr(type(cache), "update"):
-        return False
-    kv = [lay for lay in layers if hasattr(lay, "keys")]
-    return bool(kv) and all(_plain_dynamic(lay) and not getattr(lay, "is_initialized", False) for lay in kv)
-
-
-def _plain_dynamic_cache(cache) -> bool:
-    """Does every layer of ``cache`` that holds keys concatenate onto them (a DynamicCache's, re-laid in place)?"""
-    from ..layout.slots import _plain_dynamic
-
-    layers = getattr(cache, "layers", None)
-    if not layers or not hasattr(type(cache), "update"):
-        return False
-    held = [lay for lay in layers if getattr(lay, "keys", None) is not None and getattr(lay, "is_initialized", False)]
-    return bool(held) and all(_plain_dynamic(layer) for layer in held)
-
-
-def _traced_relay(
-    module: nn.Module, plan: ModelPlan, kwargs: dict, cache, mask: torch.Tensor, B: int, T: int, past_len
-) -> torch.Tensor:
-    """The eager re-lay of :func:`slot_justify` while traced (every decision a device tensor), for ``T`` tokens.
-
-    ``mask`` ``[B, L + T]``. A one-token step needs no reorder. A chunk is reordered pads first (``[B, T, ...]``
-    inputs, ``position_ids`` ``[B, T]`` / ``[K, B, T]``), its outputs put back in the caller's order by the
-    post-hook (:func:`slot_restore`), with ``logits_to_keep`` and a loss over ``labels`` applied there, as eager.
-    (The stack cannot be read while traced: a call inside generate() is served as one outside it, whose given
-    positions are kept, generate's own counting each row's real tokens, and whose outputs are put back in the
-    caller's order; a one-token step's other outputs need no restoring.)
-    """
-    m = mask.to(torch.bool)
-    call = SlotJustifiedCall(m, past_len, on_device=True)  # justified mask, pad counts, order, re-lay: on the device
-    for check in plan.slot_checks:
-        check(module, call.mask)
-    record = SlotRecord(None, (B, T), None, bool(getattr(cache, _PADDED_FLAG, False)))
-    record.pads = call.pads()  # [B]: pad slots per row (unknown on the host; read by a later call without a mask)
-    record.cache = cache
-    module._safepad.slot_calls[-1] = record
-    position_ids = kwargs.get("position_ids")
-    if plan.accepts_position_ids and position_ids is None and not _mrope(module):
-        kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
-    elif T > 1 and isinstance(position_ids, torch.Tensor):
-        if position_ids.dim() == 3 and position_ids.shape[2] == T and position_ids.shape[1] in (1, B):
-            kwargs["position_ids"] = call.reorder(position_ids.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
-        elif position_ids.dim() == 2 and position_ids.shape[1] == T and position_ids.shape[0] in (1, B):
-            kwargs["position_ids"] = call.reorder(position_ids)  # [B, T]
-    if T > 1:
-        labels = kwargs.get("labels")
-        if labels is not None:
-            if not callable(getattr(module, "loss_function", None)):
-                raise ValueError(
-                    f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens, "
-                    "and no loss_function to score the caller's row with: compute the loss without a cache "
-                    "(use_cache=False), or pad on the left."
-                )
-            record.labels = kwargs.pop("labels")
-            record.loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch",) if kwargs.get(k) is not None}
-        for name, value in list(kwargs.items()):
-            if name in ("attention_mask", "position_ids") or not isinstance(value, torch.Tensor) or value.dim() < 2:
-                continue
-            if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
-                kwargs[name] = call.reorder(value)
-        keep = kwargs.get("logits_to_keep")
-        if "logits_to_keep" in kwargs and not (isinstance(keep, int) and keep == 0):
-            kwargs["logits_to_keep"] = 0  # every position, put back in order, then the kept ones (post-hook)
-            record.keep = keep
-    kwargs["attention_mask"] = call.mask.to(mask.dtype)  # [B, L + T]
-    if T > 1 or _attentions_wanted(module, kwargs):
-        _ask_for_model_output(module, plan, kwargs, record)
-    call.install(cache)
-    if isinstance(kwargs.get("position_ids"), torch.Tensor):
-        kwargs["position_ids"] = call.with_moved_positions(kwargs["position_ids"])
-    record.call = call
-    return call.token_mask
 
 
 def _holds_step_pads(cache) -> bool:
@@ -494,19 +242,6 @@ def _uncounted(cache) -> bool:
     except ValueError:
         return any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers)
     return False
-
-
-def _past_length(cache) -> int:
-    """Tokens the cache holds; 0 for a recurrent-only cache safepad has not counted yet (``CachePreHook``, which
-    runs after this hook, starts counting it or raises when it cannot)."""
-    if cache is None or not hasattr(cache, "get_seq_length"):
-        return 0
-    try:
-        return int(cache.get_seq_length())
-    except ValueError:
-        if recurrent_only(cache):
-            return 0
-        raise
 
 
 def _drop_cached_prefix(plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
@@ -569,12 +304,6 @@ def _refed_stacked_positions(position_ids: torch.Tensor, m: torch.Tensor) -> tor
     return out
 
 
-def _mrope(module: nn.Module) -> bool:
-    """Multimodal rotary positions (``[3, B, T]``, computed by the model from its inputs): never synthesised here."""
-    rope = text_config_value(module, "rope_parameters", None) or text_config_value(module, "rope_scaling", None)
-    return isinstance(rope, dict) and any(k.startswith("mrope") for k in rope)
-
-
 def _with_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int):
     """A cached call without padding and without ``position_ids``: positions ``past_len + arange(T)``.
 
@@ -589,7 +318,7 @@ def _with_cache_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwarg
     ids = next((v for n in ("input_ids", "inputs_embeds") if isinstance(v := _arg(args, kwargs, params, n), torch.Tensor)), None)
     named = dict(zip(params, args))
     named.update(kwargs)
-    named["position_ids"] = (past_len + torch.arange(T, device=ids.device))[None].expand(B, T)
+    named["position_ids"] = _arange_positions(past_len, B, T, ids.device)  # [B, T]
     return (), named
 
 
@@ -613,91 +342,5 @@ def _with_real_positions(module: nn.Module, plan: ModelPlan, args: tuple, kwargs
         return args, kwargs
     named = dict(zip(params, args))
     named.update(kwargs)
-    named["position_ids"] = (m.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
+    named["position_ids"] = _mask_positions(m, T)  # [B, T]
     return (), named
-
-
-def _with_loss(record: SlotRecord, call: SlotJustifiedCall | None, output, module: nn.Module):
-    """The output of a loss call whose labels the pre-hook took (a re-laid row with an explicit cache): logits back
-    in the caller's order, and the model's own ``loss_function`` over them and the caller's labels (plus the
-    router loss of MoE models that return one), as the stock forward computes it."""
-    if not hasattr(output, "keys"):
-        raise ValueError(
-            f"{type(module).__name__}: labels together with a cache on rows with padding after real tokens need a "
-            "ModelOutput to put the loss in (return_dict=True), or compute the loss without a cache (use_cache=False)"
-        )
-    if call is not None and call.order is not None:
-        output = _restored(record, call, output)
-    logits = output["logits"]
-    vocab = text_config_value(module, "vocab_size", logits.shape[-1])
-    loss = module.loss_function(logits=logits, labels=record.labels, vocab_size=vocab, **record.loss_kwargs)
-    aux = output.get("aux_loss") if hasattr(output, "get") else None
-    if aux is not None and text_config_value(module, "output_router_logits", False):
-        loss = loss + text_config_value(module, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
-    return type(output)(**{"loss": loss, **{k: v for k, v in output.items() if k != "loss"}})
-
-
-def slot_restore(record: SlotRecord, output, module: nn.Module):
-    """Post-hook half of :func:`_slot_justify`: outputs back in the caller's order, the cache marked padded."""
-    call = record.call
-    if call is not None:
-        call.uninstall()
-    if output is None:  # the forward raised
-        return None
-    cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), record.cache)
-    if record.shift is not None and cache is not None:
-        setattr(cache, _SHIFT_ATTR, _GenerateShift(*record.shift))
-    slots = cache is not None and not recurrent_only(cache)  # slots only in attention layers
-    if record.padded and slots:
-        setattr(cache, _PADDED_FLAG, True)
-    if record.pads is not None and slots:
-        setattr(cache, _PADS_ATTR, record.pads)
-    # (a decode step re-lays on the device without the host knowing whether some row's token was a pad: its
-    # cache is marked too, so that a traced call serves it re-laid (a step) or refuses it (traced_slot_step))
-    relaid = call is not None and (call.order is not None or call.relay)
-    if relaid and slots:
-        setattr(cache, _RELAID_FLAG, True)  # a Python fact a traced call reads (check_traced_cache)
-    if record.labels is not None:
-        output = _with_loss(record, call, output, module)
-    elif call is None:
-        return None
-    else:
-        output = _restored(record, call, output)
-    return output.to_tuple() if record.as_tuple and hasattr(output, "to_tuple") else output
-
-
-def _restored(record: SlotRecord, call: SlotJustifiedCall, output):
-    """``output`` with every per-token tensor back in the caller's order (outside ``generate()``).
-
-    ``[B, T, ...]`` tensors (logits, hidden states, nested or not), per-layer attention weights ``[B, H, T, K]``
-    (:meth:`~safepad.layout.slots.SlotJustifiedCall.restore_attention`: keys as the caller's full-mask columns)
-    and flattened per-token router logits ``[B * T, E]``. A tuple output (``return_dict=False``) was computed as a
-    ModelOutput (:func:`slot_justify`) and is returned as its ``to_tuple()``, so both hold the same tensors.
-    """
-    B, T = record.shape
-
-    def fix(v, name=""):
-        if name in CACHE_NAMES:
-            return v  # (a legacy tuple cache holds [B, H, S, D] slots, not tokens)
-        if isinstance(v, (tuple, list)):
-            return type(v)(fix(x, name) for x in v)
-        if not isinstance(v, torch.Tensor):
-            return v
-        if record.restore and "attentions" in name and v.dim() == 4 and v.shape[0] == B and v.shape[2] == T:
-            return call.restore_attention(v)
-        if record.restore and "router_logits" in name and v.dim() == 2 and v.shape[0] == B * T:
-            return call.restore(v.view(B, T, -1)).reshape(v.shape)
-        if v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
-            if record.restore:
-                v = call.restore(v)
-            if name == "logits" and record.keep is not None:
-                v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
-        return v
-
-    if hasattr(output, "keys") and hasattr(output, "__setitem__"):
-        for k in list(output.keys()):
-            output[k] = fix(output[k], k)
-        return output
-    if isinstance(output, tuple):
-        return tuple(fix(v, "hidden_states" if isinstance(v, tuple) else "") for v in output)
-    return fix(output)

@@ -1,5 +1,5 @@
 """Padded rows under ``torch.compile``: a compiled one-token step re-lays a justified cache on the device, as an
-eager step does (``safepad.wrap.slot_calls.traced_slot_step``): after an eager right-padded prefill (a re-laid
+eager step does (``safepad.wrap.traced_slot_calls.traced_slot_step``): after an eager right-padded prefill (a re-laid
 cache), and after an eager step whose token is a pad in some row (slot-counting attention re-lays it on the device
 without the host knowing), compiled steps equal each row alone; so do compiled chunks of several tokens (a chunked
 prefill, a verify call), re-laid on the device too; a compiled call on a re-laid cache without the full-length mask
