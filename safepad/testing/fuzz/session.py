@@ -89,18 +89,16 @@ class Session(_Oracle):
     # ---- bookkeeping ---------------------------------------------------------------------------------------
 
     def _record(self, rule: str, kwargs: dict[str, Any]) -> None:
+        # every call, stateless ones (a forward without a cache, a packed call) included: a compiled model carries
+        # dynamo's caches and recompile counts from one call to the next, and eager code can keep module state, so
+        # a repro without them may pass (recurrent_gemma and glm5_next compiled failures reproduced only after an
+        # earlier packed call)
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        # calls that neither read nor change the live stream are left out of a repro unless they fail
-        stateless = rule in ("forward", "packed") or (rule == "generate" and not kwargs.get("keep"))
-        self.lines.append(("# " if stateless else "") + f"s.{rule}({args})")
+        self.lines.append(f"s.{rule}({args})")
 
     def repro(self) -> str:
-        """The calls so far as a standalone Python script (the last call, and every call the live cache depends
-        on; earlier stateless calls are dropped)."""
-        at = max((i for i, ln in enumerate(self.lines) if ln.startswith(("s.", "# s."))), default=len(self.lines))
-        lines = [ln for ln in self.lines[:at] if not ln.startswith("# s.")]
-        last = [ln[2:] if ln.startswith("# s.") else ln for ln in self.lines[at : at + 1]]
-        return "\n".join([*lines, *last, *self.lines[at + 1 :]])
+        """The calls so far, every one of them, as a standalone Python script."""
+        return "\n".join(self.lines)
 
     def _fail(self, what: str) -> None:
         msg = (
