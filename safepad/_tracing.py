@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "CallScope", "copy_context", "device_check", "in_backward", "is_device_check_error", "kwarg", "require", "tracing"
+    "CallScope", "copy_context", "device_check", "in_backward", "is_device_check_error", "kwarg", "require", "size_in",
+    "tracing",
 ]
 
 #: what starts the message of a failed :func:`device_check` (a compiled call raises it from inside torch, where no
@@ -45,6 +46,20 @@ def kwarg(kwargs: dict, name: str, default: Any = None) -> Any:
     on by itself. (Writing to ``kwargs`` guards on the key set too: a hook writes only what the call needs.)
     """
     return kwargs.get(str(name), default)
+
+
+def size_in(n: Any, options: tuple) -> bool:
+    """``n in options`` for a size ``n`` that may be symbolic: compared with ``==`` one option at a time.
+
+    Under ``torch.compile``, ``s0 in (1, s0)`` for a dynamic size ``s0`` (a batch size dynamo made dynamic after a
+    call of another batch size) evaluated to False in the traced pre-hook, so the inputs of a re-laid call were not
+    reordered while its outputs were put back: a right-padded compiled prefill after a compiled packed call of one
+    row returned a padded row's outputs permuted (recurrent_gemma, 1.0 off the row alone; make fuzz).
+    """
+    for option in options:
+        if n == option:
+            return True
+    return False
 
 
 def device_check(ok: Tensor, message: str) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._tracing import device_check, tracing
+from .._tracing import device_check, size_in, tracing
 from .facts import fact, record
 
 __all__ = [
@@ -176,7 +176,7 @@ def packing_positions(position_ids: Tensor | None, shape: tuple[int, int] | None
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)  # [1, T]
     elif pos.dim() == 3:
-        if pos.shape[0] in (1, 4):
+        if size_in(pos.shape[0], (1, 4)):
             pos = pos[0]  # [B, T]: the text positions
         elif pos.shape[0] == 3:
             pos = pos.abs().amax(0)  # [B, T]: 0 where all three RoPE rows are 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .._tracing import size_in
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
@@ -171,7 +172,7 @@ def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, 
     # (only within the generate() call that extends them: a later one computes them from the mask again)
     stacked = (
         generating is not None and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3
-        and position_ids.shape[1] in (1, B) and position_ids.shape[2] == T
+        and size_in(position_ids.shape[1], (1, B)) and position_ids.shape[2] == T
     )
     kept = getattr(cache, _SHIFT_ATTR, None) if stacked and past_len > 0 else None
     shift = kept.shift if kept is not None and kept.frame is generating else None
@@ -251,7 +252,7 @@ def _drop_cached_prefix(plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: i
     for name, value in list(named.items()):
         if name == "attention_mask" or not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
-        if value.shape[1] == T and value.shape[0] in (1, B):
+        if value.shape[1] == T and size_in(value.shape[0], (1, B)):
             named[name] = value[:, past_len:]
         elif name == "position_ids" and value.dim() == 3 and value.shape[2] == T:
             named[name] = value[..., past_len:]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._config import text_config_value
+from .._tracing import size_in
 from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 
@@ -133,10 +134,10 @@ def _reorder_inputs(call: SlotJustifiedCall, named: dict, B: int, T: int, skip: 
     for name, value in list(named.items()):
         if name in skip or not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
-        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and value.shape[1] in (1, B):
+        if name == "position_ids" and value.dim() == 3 and value.shape[2] == T and size_in(value.shape[1], (1, B)):
             named[name] = call.reorder(value.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
             continue
-        if value.shape[1] == T and value.shape[0] in (1, B):  # [B, T, ...] current-token inputs
+        if value.shape[1] == T and size_in(value.shape[0], (1, B)):  # [B, T, ...] current-token inputs
             named[name] = call.reorder(value)
 
 

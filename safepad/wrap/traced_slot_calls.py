@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .._tracing import kwarg
+from .._tracing import kwarg, size_in
 from ..cache import cache_from_kwargs, recurrent_only
 from ..layout.slots import SlotJustifiedCall, _plain_dynamic
 from .slot_record import (
@@ -150,9 +150,9 @@ def _traced_relay(
     if plan.accepts_position_ids and position_ids is None and not _mrope(module):
         kwargs["position_ids"] = call.position_ids().to(mask.device)  # [B, T]: cached real tokens + cumsum - 1
     elif T > 1 and isinstance(position_ids, torch.Tensor):
-        if position_ids.dim() == 3 and position_ids.shape[2] == T and position_ids.shape[1] in (1, B):
+        if position_ids.dim() == 3 and position_ids.shape[2] == T and size_in(position_ids.shape[1], (1, B)):
             kwargs["position_ids"] = call.reorder(position_ids.permute(1, 2, 0)).permute(2, 0, 1)  # [K, B, T]
-        elif position_ids.dim() == 2 and position_ids.shape[1] == T and position_ids.shape[0] in (1, B):
+        elif position_ids.dim() == 2 and position_ids.shape[1] == T and size_in(position_ids.shape[0], (1, B)):
             kwargs["position_ids"] = call.reorder(position_ids)  # [B, T]
     if T > 1:
         labels = kwargs.get("labels")
