@@ -51,6 +51,14 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "fresh stock model gives the very same numbers (lfm2_vl [9, 9, 9, 9]: 1.19e-4 wrapped and stock, in float64 "
         "as well; a dynamic cache or plain greedy 3e-7), near the tolerance, so a draw crosses it or not",
     ),
+    KnownDefect(
+        "new-3",
+        lambda f, r, c: r == "generate" and bool(c.get("static", False)) and f.startswith("inkling"),
+        "greedy generate with a static cache on Inkling in float32 (inkling_text 1.8e-3 / 1.3e-3 off the rows "
+        "alone from the 4th / 2nd new token, right-padded or not): transformers' own float32 rounding of its "
+        "static-cache path: the stock model on an unpadded prompt of one row gives the very same numbers, and the "
+        "wrapped model on the padded batch is exact in float64 (make fuzz, stop 34)",
+    ),
 )
 
 
