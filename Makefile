@@ -138,7 +138,7 @@ test-wheel: setup
 # `make test` runs its fixed-seed tier (tests/fuzz).
 FUZZ_MINUTES ?= 10
 fuzz: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m safepad.testing.fuzz --minutes $(FUZZ_MINUTES)
+	OMP_NUM_THREADS=1 $(BIN)/python -m safepad.testing.fuzz --minutes $(FUZZ_MINUTES) $(if $(FUZZ_FAMILIES),--families $(FUZZ_FAMILIES))
 
 demo: setup
 	$(BIN)/safepad audit
