@@ -305,7 +305,8 @@ def gated_delta_rule_step(
     q, k, v, g, beta = (x.to(cdt) for x in (q, k, v, g, beta))
     if token_mask is not None:
         if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (q.shape[0],):
-            raise ValueError(f"token_mask must have shape [batch] = [{q.shape[0]}], got {getattr(token_mask, 'shape', token_mask)}")
+            got = getattr(token_mask, "shape", token_mask)
+            raise ValueError(f"token_mask must have shape [batch] = [{q.shape[0]}], got {got}")
         keep = token_mask.to(torch.bool)
         k, v, g = (torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, 0.0) for x in (k, v, g))
         beta = torch.where(keep[:, None], beta, 0.0)  # [B, H]

@@ -550,7 +550,8 @@ def selective_state_step(
     dt = process_dt(delta, delta_bias, _NO_LIMIT, delta_softplus).to(cdt)  # [B, Dm]
     if token_mask is not None:
         if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz,):
-            raise ValueError(f"token_mask must have shape [B] = [{Bsz}], got {getattr(token_mask, 'shape', token_mask)}")
+            got = getattr(token_mask, "shape", token_mask)
+            raise ValueError(f"token_mask must have shape [B] = [{Bsz}], got {got}")
         keep = token_mask.to(torch.bool)[:, None]  # [B, 1]
         dt, u, B = torch.where(keep, dt, 0.0), torch.where(keep, u, 0.0), torch.where(keep, B, 0.0)
     if cdt == torch.float32 and kernels.use_kernels(
