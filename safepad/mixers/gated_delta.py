@@ -45,6 +45,7 @@ from torch import Tensor
 
 from ..cache import read_states, write_states
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
+from ..ops.grad import contiguous_grad
 from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 logger = logging.getLogger(__name__)
@@ -55,24 +56,6 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "gated_delta_mixer_forward"]
 DEFAULT_CHUNK_SIZE = 64
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous.
-
-    The chunked delta rule permutes its inputs, so the gradients reaching Qwen3-Next's ``b`` / ``a`` (and ``q`` ...
-    ``z``) carry permuted strides; the stock ``fix_query_key_value_ordering`` splits ``.view``s of the projections,
-    and AOT autograd replays their backward as ``aten.view`` on those gradients, which fails ("view size is not
-    compatible with input tensor's size and stride") where eager autograd reshapes.
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``hidden_states [B, T, C]`` -> (conv input ``[B, T, 2 * H_k * Dk + H * Dv]`` as ``[q | k | v]``,
     Qwen3-Next's ``z [B, T, H, Dv]``, ``b [B, T, H]``, ``a [B, T, H]``; ``None`` for the others)."""
@@ -81,8 +64,8 @@ def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | No
         qkvz = self.in_proj_qkvz(hidden_states)  # [B, T, 2 * H_k * Dk + 2 * H * Dv]
         ba = self.in_proj_ba(hidden_states)  # [B, T, 2 * H]
         q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)  # q,k [B,T,H_k,Dk]; v,z [B,T,H,Dv]; b,a [B,T,H]
-        # the stock split ``view``s qkvz / ba: their gradients must come back contiguous (see _ContiguousGrad)
-        q, k, v, z, b, a = (_ContiguousGrad.apply(x) for x in (q, k, v, z, b, a))
+        # the stock split ``view``s qkvz / ba: their gradients must come back contiguous (safepad.ops.grad)
+        q, k, v, z, b, a = (contiguous_grad(x) for x in (q, k, v, z, b, a))
         flat = [x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)]  # [B, T, H_k * Dk] x2, [B, T, H * Dv]
         return torch.cat(flat, dim=-1), z, b, a
     if isinstance(layout, tuple) and layout and all(isinstance(n, str) for n in layout):
@@ -161,9 +144,9 @@ def gated_delta_mixer_forward(
     key_dim = getattr(self, opts.get("key_dim", "key_dim"))  # H_k * Dk
     # the delta rule permutes beta and g too: their gradients come back permuted, and under AOT autograd the
     # backward of the projection they came from replays a ``view`` (qwen4_exp: softplus_backward viewed as
-    # [B * T, H] failed under torch.compile(model, backend="aot_eager")). See _ContiguousGrad
-    beta = _ContiguousGrad.apply(_beta(self, opts, hidden_states, b))  # [B, T, H]
-    g = _ContiguousGrad.apply(_decay(self, opts, hidden_states, a))  # [B, T, H] or [B, T, H, Dk]
+    # [B * T, H] failed under torch.compile(model, backend="aot_eager")). See safepad.ops.grad
+    beta = contiguous_grad(_beta(self, opts, hidden_states, b))  # [B, T, H]
+    g = contiguous_grad(_decay(self, opts, hidden_states, a))  # [B, T, H] or [B, T, H, Dk]
 
     past = read_states(cache, self.layer_idx)
     decode = past.has_previous and T == 1

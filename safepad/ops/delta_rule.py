@@ -39,6 +39,7 @@ from ..layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 from . import kernels
 from .amp import fp32_core
 from .finite import isolate_nonfinite, poison, poison_rows
+from .grad import contiguous_grad
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +344,12 @@ def _pack_outputs(
 
 
 def _to_chunks(x: Tensor, n: int, c: int) -> Tensor:
-    """``[B, T_pad, H, *D]`` -> ``[N, B, H, C, *D]`` contiguous."""
+    """``[B, T_pad, H, *D]`` -> ``[N, B, H, C, *D]`` contiguous.
+
+    The gradient of ``x`` comes back contiguous (:mod:`safepad.ops.grad`): the permute's backward is a permuted
+    view, and under AOT autograd with dynamic shapes the strides predicted for it and for the ops after it can
+    differ from the real ones (bailing_hybrid, compiled backward)."""
+    x = contiguous_grad(x)
     bsz, _, h = x.shape[:3]
     rest = x.shape[3:]
     x = x.reshape(bsz, n, c, h, *rest)  # [B, N, C, H, *D]

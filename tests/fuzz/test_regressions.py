@@ -247,6 +247,23 @@ def test_compiled_backward_of_the_decay_gradient(family: str) -> None:
               backward=True)
 
 
+# torch.compile(model, backend="aot_eager"), two packed calls (cu_seq_lens) with labels and backward on bailing_hybrid
+# (Kimi Delta Attention): the second call made the token count dynamic, and the compiled backward died on
+# ``aten.view`` of the key gradient ("view size is not compatible"; the 60-minute make fuzz of stop 34). AOT autograd
+# predicted that gradient contiguous (a permuted and a contiguous gradient summed, their sizes equal only after a
+# simplification sympy does not make) and the kernels produced it permuted. The chunked rule now hands its inputs'
+# gradients back as fresh contiguous copies (safepad.ops.grad)
+@pytest.mark.parametrize("family", [_param("bailing_hybrid", id="bailing_hybrid")])
+def test_compiled_backward_of_two_packed_calls_of_different_lengths(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.compile(mode="model", backend="aot_eager")
+    s.packed(seqs=[[220, 193, 8, 255, 228, 254], [184, 199], [158], [104]], via="cu_seq_lens", labels=True,
+             backward=True)
+    s.packed(seqs=[[93, 237, 12, 180, 30, 97, 110], [104, 96, 144, 78, 34, 142, 3, 23, 184, 155],
+                   [13, 138, 72, 74, 85, 103, 226, 81, 160, 75], [73, 133, 21, 97, 162, 44, 66, 93, 57, 33]],
+             via="cu_seq_lens", labels=True, backward=True)
+
+
 # torch.compile(model): a chunk of several tokens re-laid over a re-laid cache, with output_attentions, gave wrong
 # logits (recurrent_gemma 0.78, inkling_text 4.7e-3 off the row alone; the 60-minute make fuzz on d5a5d32), and was
 # refused since. The call's extra recompiles reached dynamo's recompile limit on transformers' deprecate_kwarg
