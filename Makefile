@@ -43,6 +43,9 @@ FLOOR_TESTS ?= tests/collators/test_collator.py tests/collators/test_packing.py 
 	tests/trainer_ext/test_padding_guard_callback.py tests/trainer_ext/test_dispatch.py tests/test_compat.py
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip's cache keeps a second copy of every download: ~3 GB for the newest-torch tier alone, and a CI machine has run
+# out of disk installing that tier (its free space varies). Nothing here re-downloads often enough to need it.
+export PIP_NO_CACHE_DIR=1
 
 .PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench fuzz clean
 
