@@ -142,9 +142,10 @@ def gated_delta_mixer_forward(
     mixed, z, b, a = _project_qkv(self, opts, hidden_states)  # [B, T, conv_dim]
     conv_dim = mixed.shape[-1]
     key_dim = getattr(self, opts.get("key_dim", "key_dim"))  # H_k * Dk
-    # the delta rule permutes beta and g too: their gradients come back permuted, and under AOT autograd the
-    # backward of the projection they came from replays a ``view`` (qwen4_exp: softplus_backward viewed as
-    # [B * T, H] failed under torch.compile(model, backend="aot_eager")). See safepad.ops.grad
+    # the gradients of beta and g leave the delta rule as slices of its padded chunks (or, before the rule made
+    # them contiguous, permuted), and under AOT autograd the backward of the projection they came from replays a
+    # ``view`` (qwen4_exp: softplus_backward viewed as [B * T, H] failed under torch.compile(model,
+    # backend="aot_eager")). See safepad.ops.grad
     beta = contiguous_grad(_beta(self, opts, hidden_states, b))  # [B, T, H]
     g = contiguous_grad(_decay(self, opts, hidden_states, a))  # [B, T, H] or [B, T, H, Dk]
 
