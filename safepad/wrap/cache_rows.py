@@ -5,7 +5,7 @@ position ids: ``Sizes of tensors must match``) or an op's shape check deep insid
 pre-hook asks :func:`check_cache_rows` first (eager and traced) and raises naming the cache's rows, the call's rows
 and the fix; an empty cache (after ``reset()``) takes the new rows. :func:`cover_row_ops` makes the cache's row
 operations (``batch_select_indices``, ``batch_repeat_interleave``, ``reorder_cache``) move every state of every
-layer and safepad's per-row facts kept on the cache.
+layer and safepad's per-row facts kept on the cache, and its ``reset()`` forget those facts.
 """
 
 from __future__ import annotations
@@ -141,6 +141,15 @@ def _move_layer(layer: Any, op: str, arg: Any, rows: torch.Tensor) -> None:
                 held[i] = _take(t, rows)
 
 
+def _bookkeeping_names() -> tuple[str, ...]:
+    """The attributes of safepad's per-row facts kept on a cache (each written where its call happens)."""
+    from ..cache import _RECORD_ATTR
+    from .generate import _ROPE_DELTAS_ATTR
+    from .slot_record import _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR
+
+    return (_PADS_ATTR, _SHIFT_ATTR, _ROPE_DELTAS_ATTR, _RECORD_ATTR, _PADDED_FLAG, _RELAID_FLAG)
+
+
 def _move_bookkeeping(cache: Any, rows: torch.Tensor, batch: int) -> None:
     """safepad's per-row facts kept on ``cache`` follow its rows: the pad slots of a decode step ``[B]``, the
     position shift of a generate call ``[K, B, 1]``, the rope deltas of a generate ``[B, 1]`` (or one per prompt),
@@ -202,6 +211,31 @@ class _RowOp:
         self.cache, self.op = state
 
 
+class _Reset:
+    """``cache.reset()`` of a cache a wrapped model met (:func:`cover_row_ops`): stock's reset, then safepad's
+    per-row facts beside the cache are forgotten, so that the emptied cache is a fresh one to the next call (the
+    pad slots of an earlier decode, for instance, belong to rows the cache no longer holds: make fuzz, stop 35,
+    recurrent_gemma, a ``batch_select_indices`` after a prefill of 3 rows into a reset cache that had decoded 1 row
+    raised an ``IndexError`` inside safepad). A module-level class, as :class:`_RowOp`."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = type(self.cache).reset(self.cache, *args, **kwargs)
+        for name in _bookkeeping_names():
+            self.cache.__dict__.pop(name, None)
+        return out
+
+    def __getstate__(self) -> tuple:
+        return (self.cache,)
+
+    def __setstate__(self, state: tuple) -> None:
+        (self.cache,) = state
+
+
 def cover_row_ops(cache: Any) -> None:
     """Make ``cache``'s row operations (:data:`_ROW_OPS`) move every state of every layer and safepad's per-row
     bookkeeping (in place, once; a cache without ``layers`` is left alone). transformers' hybrid layers (e.g.
@@ -212,3 +246,5 @@ def cover_row_ops(cache: Any) -> None:
     for op in _ROW_OPS:
         if callable(getattr(type(cache), op, None)):
             setattr(cache, op, _RowOp(cache, op))
+    if callable(getattr(type(cache), "reset", None)):
+        cache.reset = _Reset(cache)  # the emptied cache forgets safepad's per-row facts too

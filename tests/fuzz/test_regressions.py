@@ -264,6 +264,26 @@ def test_compiled_backward_of_two_packed_calls_of_different_lengths(family: str)
              via="cu_seq_lens", labels=True, backward=True)
 
 
+# cache.reset(), then a prefill of other rows, then cache.batch_select_indices (make fuzz, stop 35, recurrent_gemma):
+# the reset cache still carried the pad slots of the 1-row generate that filled it, and the row selection over the
+# 3 new rows died inside safepad (IndexError in index_select). reset() now forgets safepad's per-row facts as well
+@pytest.mark.parametrize("family", [_param("recurrent_gemma", id="recurrent_gemma")])
+def test_row_selection_after_a_reset_and_a_prefill_of_more_rows(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    refused = s.stats.refused
+    try:
+        s.generate(batch=[[None, 192, 250, 50, 95, 176, 154, 71, 255]], max_new_tokens=4, use_cache=True,
+                   mode="sample", num_return_sequences=1, keep=True)
+        s.prefill(batch=[[228, 254, 85, 108, 251, 250, 182, 21, None, None],
+                         [191, 255, 123, 45, 255, 30, 66, None, None, None],
+                         [75, 89, 184, 44, 162, 177, 148, 115, None, None]], position_ids=True, reset=True)
+        s.select(indices=[0, 3, 2])
+        s.chunk([[3, 4], [5, None], [6, 7]], position_ids=False)
+    finally:
+        s.close()
+    assert s.stats.refused == refused, s.repro()
+
+
 # torch.compile(model): a chunk of several tokens re-laid over a re-laid cache, with output_attentions, gave wrong
 # logits (recurrent_gemma 0.78, inkling_text 4.7e-3 off the row alone; the 60-minute make fuzz on d5a5d32), and was
 # refused since. The call's extra recompiles reached dynamo's recompile limit on transformers' deprecate_kwarg

@@ -104,3 +104,26 @@ def test_a_cache_reused_for_a_new_prompt(name, static):
     cache.reset()
     b = _prompt(2)
     assert torch.equal(_gen(wrapped, b, **{kw: cache}).sequences, _alone(stock, b))
+
+
+@torch.no_grad()
+def test_reset_forgets_safepad_bookkeeping_and_survives_deepcopy():
+    """``cache.reset()`` of a cache a wrapped model met empties what safepad keeps beside it (the pad slots of a decode
+    step, the re-lay flags): the emptied cache is a fresh one to the next call, whatever rows that call has."""
+    from safepad.wrap.cache_rows import _bookkeeping_names
+
+    _, wrapped = _models("jamba")
+    ids = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0  # right-padded second row: a re-laid cache
+    cache = output_cache(wrapped(input_ids=ids, attention_mask=mask, use_cache=True))
+    step_mask = torch.cat([mask, torch.tensor([[1], [0]])], 1)  # the second row's step token is a pad too
+    kw = cache_argument(wrapped)
+    cache = output_cache(wrapped(input_ids=ids[:, :1], attention_mask=step_mask, **{kw: cache}, use_cache=True))
+    held = [n for n in _bookkeeping_names() if n in cache.__dict__]
+    assert held, "the padded calls left no bookkeeping on the cache: this test checks nothing"
+    twin = copy.deepcopy(cache)
+    for c in (cache, twin):
+        c.reset()
+        assert [n for n in _bookkeeping_names() if n in c.__dict__] == []
+    assert twin.reset.cache is twin  # the copy's reset is bound to the copy
