@@ -11,3 +11,22 @@ import torch
 def _one_thread_per_worker():
     torch.set_num_threads(1)
     yield
+
+
+# The fuzz tier's per-family counts (call sequences, calls, refused calls, skipped draws), printed at the end of the
+# run, also under xdist: each tests/fuzz test records its line as a user property, which the workers send back. These
+# hooks live here, not in tests/fuzz/conftest.py: under xdist the controller never collects, so a conftest below
+# tests/ is not loaded there when `make test` runs the whole suite, and the section went missing.
+_FUZZ_LINES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _FUZZ_LINES.extend(v for k, v in report.user_properties if k == "fuzz_counts")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FUZZ_LINES:
+        terminalreporter.section("call-sequence fuzzer: counts per family")
+        for line in sorted(_FUZZ_LINES):
+            terminalreporter.write_line(line)
