@@ -238,7 +238,8 @@ class _Reset:
 
 def cover_row_ops(cache: Any) -> None:
     """Make ``cache``'s row operations (:data:`_ROW_OPS`) move every state of every layer and safepad's per-row
-    bookkeeping (in place, once; a cache without ``layers`` is left alone). transformers' hybrid layers (e.g.
+    bookkeeping, and its ``reset()`` forget that bookkeeping (:class:`_Reset`) (in place, once; a cache without
+    ``layers`` is left alone). transformers' hybrid layers (e.g.
     ``LinearAttentionAndFullAttentionLayer``) inherit ``batch_select_indices`` / ``batch_repeat_interleave`` from
     ``DynamicLayer``, which moves only keys and values; layers with states only have none."""
     if cache is None or getattr(cache, "layers", None) is None or isinstance(getattr(cache, _ROW_OPS[0], None), _RowOp):
