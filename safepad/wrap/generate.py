@@ -37,6 +37,7 @@ from ..cache import (
 )
 from ..layout.masks import pads_after_real
 from ..layout.slots import pads_first_order
+from .slot_record import _PADDED_FLAG, _RELAID_FLAG
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def _check_continuation(model: Any, cache: Any, seq: Tensor, read: int) -> None:
     ids = rec[1]
     if tuple(ids.shape) != (seq.shape[0], read):
         return
+    prompt = _GEN_PROMPT.get()
+    if prompt is not None:  # generate runs on the prompt re-laid pads first; the record holds the caller's ids
+        seq = _caller_columns(seq, *prompt)
     if not torch.equal(ids.to(seq.device), seq[:, :read]):
         raise ValueError(
             f"{name}: the cache holds the states of another sequence: the first {read} tokens it has read differ from "
@@ -213,6 +217,11 @@ class SafepadPrepareInputs:
         return inputs
 
 
+#: inside a wrapped ``generate`` call that re-laid its prompt pads first (:func:`_justified_prompt`): the caller's
+#: ``input_ids`` ``[B, L]`` and the re-laid ones
+_GEN_PROMPT: contextvars.ContextVar[tuple[Tensor, Tensor] | None] = contextvars.ContextVar(
+    "safepad_generate_prompt", default=None
+)
 #: inside a wrapped ``generate`` call (this thread / task only): transformers' right-padding warning is dropped
 _IN_WRAPPED_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_in_generate", default=False)
 #: the logger transformers' ``generate`` warns on, and the start of its right-padding warning
@@ -336,17 +345,29 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return args, named, prompt
 
 
+def _caller_columns(seq: Tensor, ids: Tensor, relaid: Tensor) -> Tensor:
+    """``seq`` ``[B * k, L + n]`` with the caller's prompt ``ids`` ``[B, L]`` in place of the re-laid one
+    (:func:`_justified_prompt`) in its first ``L`` columns; ``seq`` itself when those columns are not the re-laid
+    prompt (or the shapes do not match)."""
+    if seq.dim() != 2 or seq.shape[1] < ids.shape[1] or seq.shape[0] % ids.shape[0]:
+        return seq
+    k = seq.shape[0] // ids.shape[0]
+    L = ids.shape[1]
+    if not torch.equal(seq[:, :L], relaid.repeat_interleave(k, 0).to(seq.device)):
+        return seq
+    return torch.cat([ids.repeat_interleave(k, 0).to(seq), seq[:, L:]], dim=1)
+
+
 def _with_caller_prompt(out: Any, ids: Tensor, relaid: Tensor) -> Any:
     """``generate``'s output (sequences ``[B * k, L + n]``, or an output holding them) with the caller's prompt ``ids``
     ``[B, L]`` in place of the re-laid one (:func:`_justified_prompt`) in its first ``L`` columns."""
     seq = out if isinstance(out, Tensor) else getattr(out, "sequences", None)
-    if not isinstance(seq, Tensor) or seq.dim() != 2 or seq.shape[1] < ids.shape[1] or seq.shape[0] % ids.shape[0]:
+    if not isinstance(seq, Tensor):
         return out
-    k = seq.shape[0] // ids.shape[0]
-    L = ids.shape[1]
-    if not torch.equal(seq[:, :L], relaid.repeat_interleave(k, 0).to(seq.device)):
+    new = _caller_columns(seq, ids, relaid)
+    if new is seq:
         return out
-    seq = torch.cat([ids.repeat_interleave(k, 0).to(seq), seq[:, L:]], dim=1)
+    seq = new
     if isinstance(out, Tensor):
         return seq
     out.sequences = seq
@@ -382,6 +403,7 @@ class SafepadGenerate:
             _rope_deltas_of_cache(model, given, ids.shape[0] if isinstance(ids, Tensor) and ids.dim() == 2 else None)
         args, kwargs, prompt = _justified_prompt(model, args, kwargs)
         token = _GEN_COUNTS.set(counts)
+        relaid = _GEN_PROMPT.set(prompt)
         quiet = _quiet_right_padding_warning()
         try:
             out = type(model).generate(model, *args, **kwargs)
@@ -395,15 +417,24 @@ class SafepadGenerate:
             raise
         finally:
             _IN_WRAPPED_GENERATE.reset(quiet)
+            _GEN_PROMPT.reset(relaid)
             _GEN_COUNTS.reset(token)
             _keep_rope_deltas(model, None)  # (use_cache=False, or raised: no cache to keep them on)
         for cache, read, ids in counts.values():  # what each cache has read, kept on the cache (_record)
+            if prompt is not None and not recurrent_only(cache):
+                # the prompt was re-laid pads first: the cache holds every row [pads | real tokens], not in the
+                # caller's layout, which the caller's mask (and the one a continuing call passes) describes. Marked
+                # as an eager re-lay marks it, so that a later call, eager or traced, serves it justified
+                setattr(cache, _RELAID_FLAG, True)
+                setattr(cache, _PADDED_FLAG, True)
             if read is None and (isinstance(cache, _TracksSeqLength) or not recurrent_only(cache)):
                 read = _counted_length(cache)
             if read is None:
                 cache.__dict__.pop(_RECORD_ATTR, None)
                 continue
             ids = ids[:, :read] if isinstance(ids, Tensor) and ids.shape[1] >= read else None
+            if ids is not None and prompt is not None:
+                ids = _caller_columns(ids, *prompt)  # what the caller fed, as a continuing generate passes it
             cache.__dict__[_RECORD_ATTR] = (read, ids, _state_versions(cache))
         _keep_rope_deltas(model, output_cache(out))
         return out

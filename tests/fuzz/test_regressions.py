@@ -367,3 +367,20 @@ def test_known_static_generate_deviation_is_stock_float32_rounding(family: str) 
                [230] + [None] * 8],
         max_new_tokens=4, use_cache=True, mode="greedy", static=True,
     )
+
+
+# model.forward = torch.compile(model.forward), a right-padded generate (which re-lays the prompt pads first before it
+# starts), then a decode step continuing its cache under the caller's mask (make fuzz, stop 35): row 0 1.2e-3 off the
+# row alone (kimi_linear; qwen3_next 1.5e-4, bailing_hybrid 3.1e-4). The returned cache held every row
+# [pads | real] but was not marked re-laid, so the step read the caller's [real | pads] layout; generate now marks it
+@pytest.mark.parametrize("family", [_param("kimi_linear", id="kimi_linear"), _param("qwen3_next", id="qwen3_next")])
+def test_decode_step_on_the_cache_of_a_compiled_right_padded_generate(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    try:
+        s.compile(mode="forward", backend="eager")
+        s.generate(batch=[[195, 129, 220, 195, 240, None], [251, None, None, None, None, None],
+                          [4, 13, 253, 3, None, None]], max_new_tokens=1, use_cache=True, mode="sample",
+                   num_return_sequences=1, keep=True)
+        s.chunk(batch=[[224], [29], [216]], position_ids=False)
+    finally:
+        s.close()

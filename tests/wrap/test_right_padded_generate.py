@@ -232,6 +232,46 @@ def test_continue_from_the_returned_cache(family):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("how", ["static_cache", "compiled_forward"])
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "jamba", "qwen3_next", "kimi_linear")])
+def test_continue_the_cache_of_a_prompt_relaid_before_generate(family, how):
+    """A right-padded prompt that ``generate`` re-lays pads first before it starts (a ``StaticCache``, a compiled
+    ``forward``), then the returned cache continued by a plain forward of the next token under the caller's mask, and
+    by a second ``generate``: the rows go on as alone. The cache holds every row ``[pads | real]`` while the caller's
+    mask says ``[real | pads]``; it was not marked re-laid, and every continuation read the caller's layout: the
+    step's logits 2.1e-4 to 2.0e-3 off alone here on every case (before the fix; kimi_linear / qwen3_next /
+    bailing_hybrid under a compiled forward found by the 60-minute make fuzz, stop 35)."""
+    from transformers import StaticCache
+
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch("right")
+    kw = _gen_kwargs(do_sample=False, output_logits=True)
+    if how == "static_cache":
+        kw[cache_argument(wrapped)] = StaticCache(config=wrapped.config, max_cache_len=32)
+    else:
+        wrapped.forward = torch.compile(wrapped.forward, backend="eager")
+    try:
+        first = wrapped.generate(input_ids=ids, attention_mask=mask, **kw)
+        cache = output_cache(first) if how != "static_cache" else kw[cache_argument(wrapped)]
+        seqs, T = first.sequences, ids.shape[1]
+        joined = [torch.cat([p, seqs[i, T:]]) for i, p in enumerate(prompts)]
+        assert _step_errors(stock, prompts, first, T) < TOL
+        # the last generated token was not fed: one forward step under the caller's full mask
+        full = torch.cat([mask, torch.ones(len(prompts), N_NEW, dtype=mask.dtype)], dim=1)
+        step = wrapped(input_ids=seqs[:, -1:], attention_mask=full, **{cache_argument(wrapped): copy.deepcopy(cache)},
+                       use_cache=True)
+        for i, seq in enumerate(joined):
+            ref = _alone(stock, seq)[-1]
+            assert (step.logits[i, -1].float() - ref).abs().max().item() < TOL, i
+        second = wrapped.generate(input_ids=seqs, attention_mask=full, **{cache_argument(wrapped): cache},
+                                  **_gen_kwargs(do_sample=False, output_logits=True))
+        assert _step_errors(stock, joined, second, seqs.shape[1]) < TOL
+    finally:
+        wrapped.__dict__.pop("forward", None)
+        torch._dynamo.reset()
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "mamba", "qwen3_next", "lfm3")])
 def test_stock_model_is_wrong(family):
     """The same right-padded greedy generate() on the stock model: the padded rows go wrong."""
