@@ -219,7 +219,7 @@ class SafepadPrepareInputs:
 
 #: inside a wrapped ``generate`` call that re-laid its prompt pads first (:func:`_justified_prompt`): the caller's
 #: ``input_ids`` ``[B, L]`` and the re-laid ones
-_GEN_PROMPT: contextvars.ContextVar[tuple[Tensor, Tensor] | None] = contextvars.ContextVar(
+_GEN_PROMPT: contextvars.ContextVar[tuple[Tensor | None, Tensor | None] | None] = contextvars.ContextVar(
     "safepad_generate_prompt", default=None
 )
 #: inside a wrapped ``generate`` call (this thread / task only): transformers' right-padding warning is dropped
@@ -315,8 +315,8 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     which a static cache, generate's own 4-D mask and a compiled forward serve as stock does, and from which safepad
     generates each row's own tokens. The caller's prompt goes back in the output (:func:`_with_caller_prompt`).
 
-    Returns ``(args, kwargs, prompt)``; ``prompt`` is ``(caller's input_ids [B, L], re-laid ones)`` (or ``None``
-    when nothing was re-laid, or no ``input_ids`` were given).
+    Returns ``(args, kwargs, prompt)``; ``prompt`` is ``None`` when nothing was re-laid, else ``(caller's input_ids
+    [B, L], re-laid ones)``, both ``None`` when no ``input_ids`` were given (``inputs_embeds`` only).
     """
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
@@ -339,16 +339,18 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
         if isinstance(value, Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (B, L):
             idx = order.to(value.device).view(B, L, *([1] * (value.dim() - 2))).expand(value.shape)
             named[name] = value.gather(1, idx)
-    prompt = (ids, named["input_ids"]) if isinstance(ids, Tensor) and tuple(ids.shape[:2]) == (B, L) else None
+    prompt = (ids, named["input_ids"]) if isinstance(ids, Tensor) and tuple(ids.shape[:2]) == (B, L) else (None, None)
     if positional:
         return (named.pop("input_ids"), *args[1:]), named, prompt
     return args, named, prompt
 
 
-def _caller_columns(seq: Tensor, ids: Tensor, relaid: Tensor) -> Tensor:
+def _caller_columns(seq: Tensor, ids: Tensor | None, relaid: Tensor | None) -> Tensor:
     """``seq`` ``[B * k, L + n]`` with the caller's prompt ``ids`` ``[B, L]`` in place of the re-laid one
     (:func:`_justified_prompt`) in its first ``L`` columns; ``seq`` itself when those columns are not the re-laid
-    prompt (or the shapes do not match)."""
+    prompt (or the shapes do not match, or no ``input_ids`` were given)."""
+    if ids is None or relaid is None:
+        return seq
     if seq.dim() != 2 or seq.shape[1] < ids.shape[1] or seq.shape[0] % ids.shape[0]:
         return seq
     k = seq.shape[0] // ids.shape[0]
@@ -358,7 +360,7 @@ def _caller_columns(seq: Tensor, ids: Tensor, relaid: Tensor) -> Tensor:
     return torch.cat([ids.repeat_interleave(k, 0).to(seq), seq[:, L:]], dim=1)
 
 
-def _with_caller_prompt(out: Any, ids: Tensor, relaid: Tensor) -> Any:
+def _with_caller_prompt(out: Any, ids: Tensor | None, relaid: Tensor | None) -> Any:
     """``generate``'s output (sequences ``[B * k, L + n]``, or an output holding them) with the caller's prompt ``ids``
     ``[B, L]`` in place of the re-laid one (:func:`_justified_prompt`) in its first ``L`` columns."""
     seq = out if isinstance(out, Tensor) else getattr(out, "sequences", None)

@@ -272,6 +272,31 @@ def test_continue_the_cache_of_a_prompt_relaid_before_generate(family, how):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("family", [_param(f) for f in ("jamba", "qwen3_next")])
+def test_continue_the_static_cache_of_an_inputs_embeds_prompt_relaid_before_generate(family):
+    """As above, with the prompt given as ``inputs_embeds`` (no ``input_ids``): ``generate`` re-lays it pads first
+    just the same, and the returned ``StaticCache`` must be marked re-laid too. It was not (the mark followed the
+    caller's ``input_ids``, which such a call has none of): the next step 2.1e-4 (jamba) and 2.0e-3 (qwen3_next) off
+    the row alone."""
+    from transformers import StaticCache
+
+    stock, wrapped = _models(family)
+    if "inputs_embeds" not in inspect.signature(stock.prepare_inputs_for_generation).parameters:
+        pytest.skip(f"{type(stock).__name__}.generate() takes no inputs_embeds (transformers refuses them)")
+    prompts, ids, mask = _batch("right")
+    cache = StaticCache(config=wrapped.config, max_cache_len=32)
+    first = wrapped.generate(inputs_embeds=wrapped.get_input_embeddings()(ids), attention_mask=mask,
+                             **{cache_argument(wrapped): cache}, **_gen_kwargs(do_sample=False, output_logits=True))
+    new = first.sequences  # [B, N_NEW]: only the new tokens come back
+    assert _step_errors(stock, prompts, first, 0) < TOL
+    full = torch.cat([mask, torch.ones(len(prompts), N_NEW, dtype=mask.dtype)], dim=1)
+    step = wrapped(input_ids=new[:, -1:], attention_mask=full, **{cache_argument(wrapped): cache}, use_cache=True)
+    for i, p in enumerate(prompts):
+        ref = _alone(stock, torch.cat([p, new[i]]))[-1]
+        assert (step.logits[i, -1].float() - ref).abs().max().item() < TOL, i
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "mamba", "qwen3_next", "lfm3")])
 def test_stock_model_is_wrong(family):
     """The same right-padded greedy generate() on the stock model: the padded rows go wrong."""
