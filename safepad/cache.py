@@ -40,6 +40,7 @@ __all__ = [
     "cache_argument",
     "cache_from_kwargs",
     "forget_read",
+    "is_recording",
     "fresh_cache_is_recurrent_only",
     "needs_token_count",
     "new_tracked_cache",
@@ -127,7 +128,7 @@ def read_states(cache, layer_idx: int, state_idx: int = 0, *, conv: bool = True,
     c = cache.get_conv_state(layer_idx, state_idx=state_idx) if conv else None
     r = cache.get_recurrent_state(layer_idx, state_idx=state_idx) if recurrent else None
     layer = cache.layers[layer_idx]
-    if c is not None and _recording(cache, layer_idx):  # the conv history (write_states): its last K columns
+    if c is not None and is_recording(cache, layer_idx):  # the conv history (write_states): its last K columns
         c = _last_columns(c, layer.conv_kernel_size[state_idx])
     has_prev = bool(getattr(layer, "has_previous_state", {}).get(state_idx, c is not None))
     if not has_prev:
@@ -135,9 +136,10 @@ def read_states(cache, layer_idx: int, state_idx: int = 0, *, conv: bool = True,
     return CachedStates(c, r)
 
 
-def _recording(cache, layer_idx: int) -> bool:
-    """Whether the cache layer keeps its past conv inputs for ``crop`` (assisted / speculative generation)."""
+def is_recording(cache, layer_idx: int) -> bool:
+    """Whether the cache layer keeps its past states for ``crop`` (assisted / speculative generation)."""
     return bool(hasattr(cache, "is_recording_past") and cache.is_recording_past(layer_idx))
+
 
 
 def _last_columns(conv: Tensor, k: int) -> Tensor:
@@ -183,23 +185,30 @@ def write_states(
     cache,
     layer_idx: int,
     *,
+    tokens: int,
     conv: Tensor | None = None,
     recurrent: Tensor | None = None,
     state_idx: int = 0,
     inputs: Tensor | None = None,
     token_mask: Tensor | None = None,
 ) -> None:
-    """Store the layer's new states, replacing the old ones.
+    """Store the layer's new states, replacing the old ones, after a call of ``tokens`` token columns.
 
     ``conv`` ``[B, D, K]`` must hold exactly the cache's K columns (the last K real inputs, oldest first);
     transformers' ``update_conv_state`` then stores it as is on prefill and, on a continuation, keeps the last
     K columns of ``[old ‖ conv]``, which is ``conv`` itself. A layer that records its past for ``crop`` (assisted
     generation) keeps the chunk's conv ``inputs`` ``[B, T, D]`` instead (``token_mask`` ``[B, T]``: the real ones);
     a mixer that does not hand them raises there.
+
+    ``tokens`` is the call's column count T, pads included (as an attention layer counts them): from transformers
+    5.25 on, a linear-attention cache layer counts the tokens it has seen (``cumulative_length_linear``, read by
+    ``get_seq_length`` and moved back by ``crop``), and its ``update_conv_state`` adds the width of the conv states it
+    is handed, which is K here, not T. The layer's count grows by ``tokens`` instead (:func:`_count_tokens`).
     """
     if cache is None:
         return
-    if conv is not None and _recording(cache, layer_idx):
+    counted = 0  # what transformers' own update_conv_state added to the layer's count
+    if conv is not None and is_recording(cache, layer_idx):
         if inputs is None:
             raise ValueError(
                 "the cache records past states for rollback (assisted / speculative generation), and this "
@@ -210,8 +219,24 @@ def write_states(
         conv = None
     if conv is not None:
         cache.update_conv_state(conv, layer_idx, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
+        counted = conv.shape[-1]
     if recurrent is not None:
         cache.update_recurrent_state(recurrent, layer_idx, state_idx=state_idx)
+    _count_tokens(cache, layer_idx, state_idx, tokens, counted)
+
+
+def _count_tokens(cache, layer_idx: int, state_idx: int, tokens: int, counted: int) -> None:
+    """Make the layer's own token count (transformers >= 5.25: ``cumulative_length_linear``, a 0-d tensor) grow by
+    ``tokens`` for this call, as the stock layer's does: stock counts at ``state_idx`` 0 only, by the width of the
+    conv inputs it caches on a multi-token call (T) and by one on a decode step (``increase_count``). ``counted``:
+    what ``update_conv_state`` already added. One in-place add on the device, no host read."""
+    if state_idx != 0:
+        return
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, Tensor) and tokens != counted:
+        count.add_(tokens - counted)
 
 
 # ----------------------------------------------------------------------------------------------------------

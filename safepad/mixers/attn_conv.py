@@ -108,6 +108,9 @@ def attention_conv_forward(
         scale = self._safepad_spec.options.get("residual_scale", 1.0)
         scale = 1.0 / math.sqrt(K + 1) if scale == "sqrt_k1" else float(scale)
     if state is not None:
-        write_states(cache, layer, conv=state.to(torch.float32), state_idx=self.conv_idx, inputs=x, token_mask=mask)
+        write_states(
+            cache, layer, tokens=x.shape[1], conv=state.to(torch.float32), state_idx=self.conv_idx, inputs=x,
+            token_mask=mask,
+        )
     out = (y.float() + x) * scale  # [B, T, D]
     return layout.restore(out.to(input_dtype))

@@ -73,5 +73,5 @@ def cca_projection_forward(self, hidden_states: Tensor, cache=None, conv_mask: T
         v_last = v_del.gather(1, last.view(B, 1, 1).expand(B, 1, v_del.shape[-1]))[:, 0]  # [B, Hk * d / 2]
         if past.recurrent is not None:
             v_last = torch.where((n > 0)[:, None], v_last, past.recurrent.to(v_last.dtype))  # masked decode: hold
-        write_states(cache, self.layer_idx, conv=conv_state, recurrent=v_last)
+        write_states(cache, self.layer_idx, tokens=T, conv=conv_state, recurrent=v_last)
     return layout.restore(query), layout.restore(key), layout.restore(value)

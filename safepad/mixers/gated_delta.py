@@ -47,6 +47,7 @@ from ..cache import read_states, write_states
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from ..ops.grad import contiguous_grad
 from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .history import state_history, states_to_keep
 
 logger = logging.getLogger(__name__)
 
@@ -176,33 +177,45 @@ def gated_delta_mixer_forward(
         write_states(
             cache,
             self.layer_idx,
+            tokens=1,
             conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
             recurrent=rec_new,  # held in gated_delta_rule_step (token_mask): no pass over the state here
+            inputs=mixed,  # kept by a cache that records its past (assisted generation)
+            token_mask=mask,
         )
         o = o[:, None]  # [B, 1, H, Dv]
     else:
         want_state = cache is not None
+        conv_in = mixed
         mixed, conv_final = cached_conv(
             mixed, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
         q, k, v = _rule_inputs(mixed).split([key_dim, key_dim, conv_dim - 2 * key_dim], dim=-1)
-        rule_out = layout_op(layout, chunk_gated_delta_rule)(
-            q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
-            k.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
-            v.reshape(Bsz, T, -1, Dv),  # [B, T, H, Dv]
-            g,
-            beta,
-            chunk_size=int(opts.get("chunk_size", DEFAULT_CHUNK_SIZE)),
-            initial_state=past.recurrent,
-            seq_idx=layout.seq_idx,
-            token_mask=mask,
-            use_qk_l2norm=True,
-            return_final_state=want_state,
-            backend=backend,
-        )
+
+        def rule(token_mask: Tensor | None, final_state: bool):
+            return layout_op(layout, chunk_gated_delta_rule)(
+                q.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
+                k.reshape(Bsz, T, -1, Dk),  # [B, T, H_k, Dk]
+                v.reshape(Bsz, T, -1, Dv),  # [B, T, H, Dv]
+                g,
+                beta,
+                chunk_size=int(opts.get("chunk_size", DEFAULT_CHUNK_SIZE)),
+                initial_state=past.recurrent,
+                seq_idx=layout.seq_idx,
+                token_mask=token_mask,
+                use_qk_l2norm=True,
+                return_final_state=final_state,
+                backend=backend,
+            )
+
+        rule_out = rule(mask, want_state)
         o, rec_final = rule_out if want_state else (rule_out, None)  # [B, T, H, Dv], [B, H, Dk, Dv]
         if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final, recurrent=rec_final)
+            keep = states_to_keep(cache, self.layer_idx, T)
+            rec_final = state_history(layout, T, keep, rec_final, lambda m: rule(m, True)[1])
+            write_states(
+                cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=rec_final, inputs=conv_in, token_mask=mask
+            )
         if mask is not None:
             o = torch.where(mask[:, :, None, None], o, 0.0)  # pad outputs are unspecified by the op: make them 0
 

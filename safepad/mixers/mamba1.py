@@ -42,6 +42,7 @@ from ..cache import read_states, write_states
 from ..layout.facts import record
 from ..ops.selective_scan import selective_scan, selective_state_step
 from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .history import state_history, states_to_keep
 
 __all__ = ["mamba1_mixer_forward"]
 
@@ -108,8 +109,11 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
         write_states(
             cache,
             self.layer_idx,
+            tokens=1,
             conv=hold_masked_rows(mask, conv_new, past.conv),
             recurrent=ssm_new,  # held in selective_state_step (token_mask)
+            inputs=x,  # kept by a cache that records its past (assisted generation)
+            token_mask=mask,
         )
         return torch.cat(ys, dim=-1)[:, None]  # [B, 1, I]
     want_state = cache is not None
@@ -120,19 +124,28 @@ def _multi_head_forward(self, x: Tensor, gate: Tensor, layout, cache, past, back
     dt, Bm, Cm = _head_params(self, xh)  # [B, T, H, P], [B, T, H, N], [B, T, H, N]
     zh = gate.view(Bsz, T, H, P)  # [B, T, H, P]
     scan = layout_op(layout, selective_scan)  # one rank's shard: the scan state crosses the ranks
-    ys, states = [], []
-    for h in range(H):
-        out = scan(
-            xh[:, :, h], dt[:, :, h], record(A[h], nonpositive=True), Bm[:, :, h], Cm[:, :, h], D=D[h], z=zh[:, :, h],
-            delta_bias=None if bias is None else bias[h], delta_softplus=True, seq_idx=layout.seq_idx,
-            initial_state=None if past.recurrent is None else past.recurrent[:, h], token_mask=mask,
-            return_final_state=want_state, backend=backend,
-        )
-        y_h, s_h = out if want_state else (out, None)  # [B, T, P], [B, P, N]
-        ys.append(y_h)
-        states.append(s_h)
+
+    def heads(token_mask: Tensor | None, final_state: bool) -> tuple[list[Tensor], list[Tensor | None]]:
+        ys, states = [], []
+        for h in range(H):
+            out = scan(
+                xh[:, :, h], dt[:, :, h], record(A[h], nonpositive=True), Bm[:, :, h], Cm[:, :, h], D=D[h],
+                z=zh[:, :, h], delta_bias=None if bias is None else bias[h], delta_softplus=True,
+                seq_idx=layout.seq_idx, initial_state=None if past.recurrent is None else past.recurrent[:, h],
+                token_mask=token_mask, return_final_state=final_state, backend=backend,
+            )
+            y_h, s_h = out if final_state else (out, None)  # [B, T, P], [B, P, N]
+            ys.append(y_h)
+            states.append(s_h)
+        return ys, states
+
+    ys, states = heads(mask, want_state)
     if want_state:
-        write_states(cache, self.layer_idx, conv=conv_final, recurrent=torch.stack(states, dim=1))  # [B, H, P, N]
+        keep = states_to_keep(cache, self.layer_idx, T)
+        rec = state_history(
+            layout, T, keep, torch.stack(states, dim=1), lambda m: torch.stack(heads(m, True)[1], dim=1)
+        )  # [B, H, P, N] (or the list of the last states a recording cache keeps)
+        write_states(cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=rec, inputs=x, token_mask=mask)
     return torch.cat(ys, dim=-1)  # [B, T, I]
 
 
@@ -183,8 +196,11 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         write_states(
             cache,
             self.layer_idx,
+            tokens=1,
             conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
             recurrent=ssm_new,  # held in selective_state_step (token_mask): no pass over the state here
+            inputs=x,  # kept by a cache that records its past (assisted generation)
+            token_mask=mask,
         )
         y = y[:, None]  # [B, 1, I]
     else:
@@ -194,25 +210,33 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         )  # [B, T, I], [B, I, K]
         dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, T, R], [B, T, N], [B, T, N]
         dt, delta_bias = _dt(self, dt_low)  # [B, T, I]
-        scan_out = layout_op(layout, selective_scan)(
-            xc,
-            dt,
-            A,
-            Bm,
-            Cm,
-            D=D,
-            z=gate,
-            delta_bias=delta_bias,
-            delta_softplus=True,
-            seq_idx=layout.seq_idx,
-            initial_state=past.recurrent,
-            token_mask=mask,
-            return_final_state=want_state,
-            backend=backend,
-        )
+
+        def scan(token_mask: Tensor | None, final_state: bool):
+            return layout_op(layout, selective_scan)(
+                xc,
+                dt,
+                A,
+                Bm,
+                Cm,
+                D=D,
+                z=gate,
+                delta_bias=delta_bias,
+                delta_softplus=True,
+                seq_idx=layout.seq_idx,
+                initial_state=past.recurrent,
+                token_mask=token_mask,
+                return_final_state=final_state,
+                backend=backend,
+            )
+
+        scan_out = scan(mask, want_state)
         y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, I], [B, I, N]
         if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final, recurrent=ssm_final)
+            keep = states_to_keep(cache, self.layer_idx, T)
+            ssm_final = state_history(layout, T, keep, ssm_final, lambda m: scan(m, True)[1])
+            write_states(
+                cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=ssm_final, inputs=x, token_mask=mask
+            )
 
     out = self.out_proj(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)

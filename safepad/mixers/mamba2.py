@@ -20,6 +20,7 @@ from torch import Tensor
 from ..cache import read_states, write_states
 from ..ops.ssd import ssd_scan, ssd_step
 from .common import cached_conv, layout_op, cached_conv_step, gated_norm, hold_masked_rows, pop_cache, prepare_layout
+from .history import state_history, states_to_keep
 
 __all__ = ["mamba2_mixer_forward"]
 
@@ -91,35 +92,47 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
         write_states(
             cache,
             self.layer_idx,
+            tokens=1,
             conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
             recurrent=ssm_new,  # held in ssd_step (token_mask): no pass over the state here
+            inputs=xBC,  # kept by a cache that records its past (assisted generation)
+            token_mask=mask,
         )
         y = y.reshape(Bsz, 1, I)  # [B, 1, I]
     else:
         want_state = cache is not None
+        conv_in = xBC
         xBC, conv_final = cached_conv(
             xBC, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
         )  # [B, T, conv_dim], [B, conv_dim, K]
         x, Bm, Cm = _scan_inputs(xBC).split([I, G * N, G * N], dim=-1)
-        scan_out = layout_op(layout, ssd_scan)(
-            x.reshape(Bsz, T, H, P),  # [B, T, H, P]
-            dt,  # [B, T, H]
-            A,
-            Bm.reshape(Bsz, T, G, N),  # [B, T, G, N]
-            Cm.reshape(Bsz, T, G, N),  # [B, T, G, N]
-            chunk_size=self.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
-            dt_limit=tuple(self.time_step_limit),
-            seq_idx=layout.seq_idx,
-            initial_state=past.recurrent,
-            token_mask=mask,
-            return_final_state=want_state,
-            backend=backend,
-        )
+
+        def scan(token_mask: Tensor | None, final_state: bool):
+            return layout_op(layout, ssd_scan)(
+                x.reshape(Bsz, T, H, P),  # [B, T, H, P]
+                dt,  # [B, T, H]
+                A,
+                Bm.reshape(Bsz, T, G, N),  # [B, T, G, N]
+                Cm.reshape(Bsz, T, G, N),  # [B, T, G, N]
+                chunk_size=self.chunk_size,
+                D=self.D,
+                dt_bias=self.dt_bias,
+                dt_limit=tuple(self.time_step_limit),
+                seq_idx=layout.seq_idx,
+                initial_state=past.recurrent,
+                token_mask=token_mask,
+                return_final_state=final_state,
+                backend=backend,
+            )
+
+        scan_out = scan(mask, want_state)
         y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, H, P], [B, H, P, N]
         if want_state:
-            write_states(cache, self.layer_idx, conv=conv_final, recurrent=ssm_final)
+            keep = states_to_keep(cache, self.layer_idx, T)
+            ssm_final = state_history(layout, T, keep, ssm_final, lambda m: scan(m, True)[1])
+            write_states(
+                cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=ssm_final, inputs=conv_in, token_mask=mask
+            )
         y = y.reshape(Bsz, T, I)  # [B, T, I]
 
     if opts.get("optional_norm_attr") and not getattr(self, opts["optional_norm_attr"]):

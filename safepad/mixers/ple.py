@@ -155,6 +155,6 @@ def ple_forward(self, hidden_states: Tensor, input_ids: Tensor, cache=None, conv
         )
         y, conv_new = out if want else (out, None)  # [B, T, D], [B, D, S]
     if cache is not None:
-        write_states(cache, idx, conv=conv_new.to(gated.dtype), state_idx=1)
-        write_states(cache, idx, conv=_last_real_ids(previous, ids, mask).to(previous.dtype), state_idx=2)
+        write_states(cache, idx, tokens=T, conv=conv_new.to(gated.dtype), state_idx=1)
+        write_states(cache, idx, tokens=T, conv=_last_real_ids(previous, ids, mask).to(previous.dtype), state_idx=2)
     return layout.restore(gated + y.to(gated.dtype))

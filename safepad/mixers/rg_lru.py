@@ -154,7 +154,7 @@ def rg_lru_block_forward(
         h, rec_new = out if want else (out, None)  # [B, T, W], [B, W] float32
     if cache is not None:
         conv_new = conv_new.to(x_branch.dtype)
-        write_states(cache, idx, conv=conv_new, recurrent=rec_new)
+        write_states(cache, idx, tokens=T, conv=conv_new, recurrent=rec_new)
         self.conv1d_state, lru.recurrent_states = conv_new, rec_new  # the module storage mirrors the cache
     elif not use_cache:
         self.conv1d_state, lru.recurrent_states = None, None  # as the stock block

@@ -51,13 +51,15 @@ def short_conv_mixer_forward(
 
     if past.has_previous and T == 1:
         y, conv_new = cached_conv_step(u[:, 0], conv, past, activation=activation, backend=backend)  # [B, D], [B, D, K]
-        write_states(cache, self.layer_idx, conv=hold_masked_rows(mask, conv_new, past.conv), inputs=u, token_mask=mask)
+        write_states(
+            cache, self.layer_idx, tokens=1, conv=hold_masked_rows(mask, conv_new, past.conv), inputs=u, token_mask=mask
+        )
         y = y[:, None]  # [B, 1, D]
     else:
         y, conv_final = cached_conv(
             u, conv, layout, past, activation=activation, want_state=cache is not None, backend=backend
         )  # [B, T, D], [B, D, K]
         if conv_final is not None:
-            write_states(cache, self.layer_idx, conv=conv_final, inputs=u, token_mask=mask)
+            write_states(cache, self.layer_idx, tokens=T, conv=conv_final, inputs=u, token_mask=mask)
     out = getattr(self, opts.get("out_proj", "out_proj"))((c * y).to(dtype))  # [B, T, D]
     return layout.restore(out)
