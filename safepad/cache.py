@@ -329,6 +329,14 @@ class _TracksSeqLength:
         super().reset()  # type: ignore[misc]
         self.__dict__["_safepad_seen_tokens"] = 0
 
+    def crop(self, max_length: int) -> None:
+        """transformers' ``crop``; the count follows: ``crop(-n)`` (the only one a linear-attention layer takes, from
+        transformers 5.25 on) forgets the last ``n`` tokens, ``crop(m)`` keeps at most ``m``."""
+        super().crop(max_length)  # type: ignore[misc]
+        seen = self.__dict__.get("_safepad_seen_tokens")
+        if seen is not None:
+            self.__dict__["_safepad_seen_tokens"] = max(seen + max_length, 0) if max_length < 0 else min(seen, max_length)
+
     # generate() marks a cache it was handed as the user's (it then outlives generate and turns off the
     # deferred stop check on CUDA); a cache that safepad built for that generate call stays generate's own.
     @property

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .._tracing import require
 from ..cache import is_recording
 from .common import Layout
 
@@ -75,5 +76,13 @@ def state_history(
     else:
         cols = torch.arange(T, device=device).expand(B, T)  # [B, T]
     real = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+    if mask is not None:
+        caller = torch.zeros_like(real).scatter(1, cols, real)  # [B, T] the mask in the caller's column order
+        pad_after_real = ~caller & (caller.cumsum(1) > 0)  # [B, T]: a pad some real token of its row precedes
+        require(
+            ~pad_after_real[:, T - keep + 1 :].any(),  # the columns crop can drop (left pads before a row are fine)
+            "a cache recording its past for crop (assisted generation) got a call whose rows end in pads; crop(-n) "
+            "drops a call's last n columns, which must be real tokens: pad on the left",
+        )
     states = [run(real & (cols <= t)) for t in range(T - keep, T - 1)]
     return [*states, final]
