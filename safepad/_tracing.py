@@ -5,8 +5,12 @@ Eager calls decide their layout on the host (is the row packed? is the mask righ
 without a graph break, so while tracing every such decision is made from what is known statically
 (which arguments are tensors, their shapes) and the math covers every value the data may take (a row
 holding one sequence through the varlen path, a right-padded row through compaction); every value
-check runs on the device as ``torch._assert_async`` with the eager message, so an invalid input still
-raises (a ``RuntimeError`` carrying that message) instead of silently giving a wrong result.
+check runs on the device as ``torch._assert_async`` (:func:`device_check`), so an invalid input still raises
+instead of silently giving a wrong result: on CPU a ``RuntimeError`` carrying the check's message; on CUDA a
+device-side assert (``CUDA error: device-side assert triggered``, without the message, and the process's CUDA
+context is lost: it must restart; docs/limits.md, "Device checks"). A device check's message is short (CUDA's
+``_assert_async`` refuses one of 255 bytes or more, even when the check holds): the input and the rule, the fix,
+and the code of its entry in docs/limits.md.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "CallScope", "copy_context", "device_check", "in_backward", "is_device_check_error", "kwarg", "require", "size_in",
-    "tracing",
+    "DEVICE_CHECK_MARK", "MAX_DEVICE_MESSAGE", "CallScope", "copy_context", "device_check", "in_backward",
+    "is_device_check_error", "kwarg", "require", "size_in", "tracing",
 ]
 
 #: what starts the message of a failed :func:`device_check` (a compiled call raises it from inside torch, where no
 #: safepad raise site shows; :func:`is_device_check_error` reads it). A constant: recording the messages at trace
 #: time would be a side effect in traced code (a graph break)
 DEVICE_CHECK_MARK = "safepad check failed: "
+#: CUDA's ``torch._assert_async(t, msg)`` refuses a message of this many bytes or more (``RuntimeError: Message length
+#: must be smaller than 255``), whether or not the check holds: a :func:`device_check`'s message, the mark included,
+#: must be shorter (ASCII, so characters are bytes)
+MAX_DEVICE_MESSAGE = 255
 
 T = TypeVar("T")
 
@@ -63,9 +71,21 @@ def size_in(n: Any, options: tuple) -> bool:
 
 
 def device_check(ok: Tensor, message: str) -> None:
-    """Raise ``RuntimeError`` (``DEVICE_CHECK_MARK + message``) when the one-element bool tensor ``ok`` is False,
-    without a host sync."""
-    torch._assert_async(ok, DEVICE_CHECK_MARK + message)
+    """Fail when the one-element bool tensor ``ok`` is False, without a host sync.
+
+    On CPU: ``RuntimeError`` carrying ``DEVICE_CHECK_MARK + message``. On CUDA: a device-side assert, whose Python
+    exception lacks the message and after which the process's CUDA context is lost (docs/limits.md, "Device checks"):
+    a user's input that can be checked on the host is checked there instead. ``message`` (ASCII) must keep the
+    whole under :data:`MAX_DEVICE_MESSAGE` characters, or CUDA refuses it even when ``ok`` holds; a longer one raises
+    ``ValueError`` here, on every device, so that a test reaching the call fails on CPU too.
+    """
+    full = DEVICE_CHECK_MARK + message
+    if len(full) >= MAX_DEVICE_MESSAGE or not full.isascii():
+        raise ValueError(
+            f"safepad: a device check's message must be ASCII and shorter than {MAX_DEVICE_MESSAGE} characters with "
+            f"its mark (CUDA's torch._assert_async refuses it), got {len(full)}: {message[:80]!r}..."
+        )
+    torch._assert_async(ok, full)
 
 
 def is_device_check_error(exc: BaseException) -> bool:
@@ -74,18 +94,18 @@ def is_device_check_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and DEVICE_CHECK_MARK in str(exc)
 
 
-def require(ok: Tensor | bool, message: str) -> None:
+def require(ok: Tensor | bool, message: str, device_message: str | None = None) -> None:
     """One check for eager and traced code: ``ok`` (a Python bool, or a one-element bool tensor) must hold.
 
     A Python bool (a static fact: a shape, a dtype) raises ``ValueError(message)`` at once. A tensor is read on
     the host in eager mode (one sync; ``ValueError``) and checked on the device while tracing (no graph break:
-    ``RuntimeError`` with the same message when the compiled code runs).
+    :func:`device_check` with ``device_message``, by default ``message``, which must then be short).
     """
     if not isinstance(ok, Tensor):
         if not ok:
             raise ValueError(message)
     elif tracing():
-        device_check(ok, message)
+        device_check(ok, message if device_message is None else device_message)
     elif not bool(ok):
         raise ValueError(message)
 

@@ -1,15 +1,26 @@
 """Suite-wide settings: one torch thread per test process (``make test`` runs two xdist workers on 2 cores;
-two threads per worker oversubscribe the cores and make small ops 10-100x slower)."""
+two threads per worker oversubscribe the cores and make small ops 10-100x slower), and CUDA's rules for device
+checks on CPU (``safepad.testing.cuda_rules``: a ``torch._assert_async`` message of 255 bytes or more raises what
+CUDA raises, eager and compiled, whether or not the check holds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from safepad.testing import cuda_rules
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread_per_worker():
     torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cuda_assert_rules():
+    """CUDA's message-length rule for every ``torch._assert_async`` of the session (every worker process)."""
+    cuda_rules.install()
     yield
 
 

@@ -151,6 +151,11 @@ _MASK_VALUES_MESSAGE = (
     "this one ({dtype}) holds {what}. An additive mask (0 keep, -inf pad) must be converted first: pass "
     "`(additive_mask == 0).long()`."
 )
+#: the device check's short message (CUDA's limit: safepad._tracing.device_check); docs/limits.md, check D1
+_MASK_VALUES_DEVICE_MESSAGE = (
+    "attention_mask ({dtype}) must hold only 0 and 1, or be bool; convert an additive mask (0 keep, -inf pad) with "
+    "(mask == 0).long() (docs/limits.md, check D1)"
+)
 
 
 def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) -> None:
@@ -158,8 +163,9 @@ def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) ->
 
     A float *additive* mask (0 keep, ``-inf`` / a large negative number for pads) reads as "every token is real
     except the ones holding exactly 0" under transformers' 2-D convention, so it silently keeps the pads and drops
-    real tokens. One host read per call (none for a bool mask; on the device while tracing or with ``on_device``);
-    other shapes pass.
+    real tokens. One host read per call (``ValueError``; none for a bool mask); on the device while tracing or with
+    ``on_device`` (:func:`safepad._tracing.device_check`: on CUDA a failure is a device-side assert that loses the
+    process's CUDA context, so the caller checks on the host wherever that is free); other shapes pass.
     """
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.dtype == torch.bool:
         return
@@ -167,7 +173,7 @@ def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) ->
         return
     ok = ((attention_mask == 0) | (attention_mask == 1)).all()
     if on_device or tracing():  # a decode step, or traced: no host read (a RuntimeError carrying the message)
-        device_check(ok, _MASK_VALUES_MESSAGE.format(dtype=attention_mask.dtype, what="other values"))
+        device_check(ok, _MASK_VALUES_DEVICE_MESSAGE.format(dtype=attention_mask.dtype))
         return
     if not bool(ok):
         bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()

@@ -178,6 +178,8 @@ def normalize_boundaries(
                 "sequence boundaries (or nowhere), so attention layers would see other boundaries than the "
                 "recurrent ones; pass position_ids that restart at 0 at each boundary, or omit them "
                 "(safepad.wrap then derives them from the boundaries)",
+                f"position_ids disagree with {source}: they must restart at 0 at each sequence boundary, or be "
+                "omitted (docs/limits.md, check D8)",
             )
         elif from_pos is not None:
             out, source = from_pos, "position_ids"

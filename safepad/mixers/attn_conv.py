@@ -81,6 +81,8 @@ def attention_conv_forward(
             "(torch.compile(model)), whose traced pre-hook cannot re-lay a call of several tokens. Pad on the left "
             "(tokenizer.padding_side = 'left'), call without a cache, call the wrapped model itself, or compile its "
             "forward only (model.forward = torch.compile(model.forward): the pre-hook then runs eagerly).",
+            f"{type(self).__name__}: right pads or holes came with a cache safepad did not re-lay; pad left, drop "
+            "the cache, or compile model.forward only (docs/limits.md, check D6)",
         )
     if mask is not None:
         x = x * mask[..., None].to(x.dtype)  # pads contribute nothing

@@ -43,7 +43,11 @@ def check_slot_log_scaling(module: nn.Module, layout: torch.Tensor) -> None:
         )
 
     if tracing():  # a compiled call (safepad.wrap.traced_slot_calls.traced_slot_step): checked on the device
-        device_check(~bad.any(), message("a row"))
+        device_check(
+            ~bad.any(),
+            f"{type(module).__name__}: real tokens past slot {floor} (log_scaling_n_floor) after pads get wrong "
+            "query scales; keep padded batches shorter (docs/limits.md, check D7)",
+        )
     elif bool(bad.any()):
         raise ValueError(message(f"row {int(bad.any(1).nonzero()[0])}"))
 

@@ -1,6 +1,8 @@
 """The wrapped ``generate`` of a model whose cache safepad adapts (:mod:`safepad.cache`).
 
-* :class:`SafepadGenerate` (``model.generate``): hands ``generate`` a length-tracking cache, re-lays a right-padded
+* :class:`SafepadGenerate` (``model.generate``): checks the caller's ``attention_mask`` values once on the host (so
+  that its decode steps need no device check of theirs: :func:`mask_checked_by_generate`), hands ``generate`` a
+  length-tracking cache, re-lays a right-padded
   prompt pads first when the cache is compileable or the forward compiled (:func:`_justified_prompt`, the caller's
   prompt goes back in the output, :func:`_with_caller_prompt`), keeps the ``rope_deltas`` a call left with the cache
   it returned, and drops transformers' right-padding warning while it runs;
@@ -35,13 +37,13 @@ from ..cache import (
     recurrent_only,
     track_seq_length,
 )
-from ..layout.masks import pads_after_real
+from ..layout.masks import check_mask_values, pads_after_real
 from ..layout.slots import pads_first_order
 from .slot_record import _PADDED_FLAG, _RELAID_FLAG
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SafepadCompiledCall", "SafepadGenerate", "SafepadPrepareInputs"]
+__all__ = ["SafepadCompiledCall", "SafepadGenerate", "SafepadPrepareInputs", "mask_checked_by_generate"]
 
 
 def _tokens_read(cache: Any) -> int | None:
@@ -222,8 +224,25 @@ class SafepadPrepareInputs:
 _GEN_PROMPT: contextvars.ContextVar[tuple[Tensor | None, Tensor | None] | None] = contextvars.ContextVar(
     "safepad_generate_prompt", default=None
 )
+#: inside a wrapped ``generate`` call that checked the caller's 2-D ``attention_mask`` on the host: its model
+#: (:func:`mask_checked_by_generate`)
+_GEN_MASK_CHECKED: contextvars.ContextVar[Any] = contextvars.ContextVar("safepad_generate_mask_checked", default=None)
 #: inside a wrapped ``generate`` call (this thread / task only): transformers' right-padding warning is dropped
 _IN_WRAPPED_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_in_generate", default=False)
+
+
+def mask_checked_by_generate(model: Any) -> bool:
+    """Whether this call of ``model`` runs inside ``model``'s wrapped ``generate`` (eager code only: a ContextVar),
+    which checked the values of the caller's ``attention_mask`` on the host when it started.
+
+    Every mask ``generate`` hands its forward calls is the caller's (sliced, or extended with ones on each decode
+    step; or one it built from ``input_ids``, of 0 and 1): its values need no check of their own, in particular no
+    device check on every decode step (one on CUDA, failing, would be a device-side assert that loses the process's
+    CUDA context; docs/limits.md, "Device checks").
+    """
+    return _GEN_MASK_CHECKED.get() is model
+
+
 #: the logger transformers' ``generate`` warns on, and the start of its right-padding warning
 _GENERATE_LOGGER = "transformers.generation.utils"
 _RIGHT_PADDING_WARNING = "A decoder-only architecture is being used, but right-padding was detected"
@@ -391,6 +410,9 @@ class SafepadGenerate:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
+        # the caller's mask, on the host once (none for a bool mask): a clear ValueError for an additive mask, and the
+        # decode steps, whose masks generate extends with ones, skip their device check (mask_checked_by_generate)
+        check_mask_values(kwargs.get("attention_mask"))
         name = cache_argument(model.forward)
         _, given = cache_from_kwargs(kwargs)
         if not self.track:
@@ -406,6 +428,7 @@ class SafepadGenerate:
         args, kwargs, prompt = _justified_prompt(model, args, kwargs)
         token = _GEN_COUNTS.set(counts)
         relaid = _GEN_PROMPT.set(prompt)
+        checked = _GEN_MASK_CHECKED.set(model)
         quiet = _quiet_right_padding_warning()
         try:
             out = type(model).generate(model, *args, **kwargs)
@@ -419,6 +442,7 @@ class SafepadGenerate:
             raise
         finally:
             _IN_WRAPPED_GENERATE.reset(quiet)
+            _GEN_MASK_CHECKED.reset(checked)
             _GEN_PROMPT.reset(relaid)
             _GEN_COUNTS.reset(token)
             _keep_rope_deltas(model, None)  # (use_cache=False, or raised: no cache to keep them on)

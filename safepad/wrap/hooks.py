@@ -50,7 +50,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
+from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs, mask_checked_by_generate
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
 from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
@@ -164,7 +164,11 @@ class _ModelPreHook:
         cover_row_ops(cache)  # its row operations move every state (cache_rows)
         B, T = ids.shape[0], ids.shape[1]
         check_cache_rows(cache, B)  # a cache of another batch size: name it (eager and traced alike)
-        check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
+        if traced or not mask_checked_by_generate(module):
+            # eager: on the host (a clear ValueError), but on the device for a one-token step (no host sync per
+            # decode step; on CUDA a failure loses the context). Inside the model's wrapped generate, which checked
+            # the caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones
+            check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
         if traced:
             # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
@@ -217,11 +221,10 @@ class _ModelPreHook:
             self._router_loss_mask(module, kwargs, real, mask[:, -T:] if padding else None, (B, T))
         elif not positions_read and T > 1 and (pos := packing_positions(position_ids, (B, T))) is not None:
             # traced only (eager read them above): position_ids [B, T] restarting at real tokens would be packing
-            require(
+            device_check(
                 ~restarts_at_real_tokens(pos, mask[:, -T:]).any(),
-                "position_ids restart at 0 inside a row (packed sequences) while an attention_mask is given: "
-                "under torch.compile packed rows must describe their boundaries with seq_idx / cu_seq_lens_q "
-                "when they come with an attention_mask (or come without one)",
+                "position_ids restart at 0 inside a row next to an attention_mask: under torch.compile give packed "
+                "rows seq_idx / cu_seq_lens_q, or no mask (docs/limits.md, check D2)",
             )
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
             _traced_cache_positions(module, plan, args, kwargs, T, _two_d_mask(kwargs.get("attention_mask")), ids)
@@ -302,6 +305,8 @@ def _require_no_packed_cache(ok: torch.Tensor | bool, source: str) -> None:
         f"packed rows (several sequences per row, from {source}) cannot be used with a cache: the cache keeps one "
         "recurrent state per row, so there is no right state to store. Call with use_cache=False, or pad the "
         "sequences (left or right) instead of packing them.",
+        f"packed rows (from {source}) cannot be used with a cache (one state per row): call with use_cache=False, "
+        "or pad instead of packing (docs/limits.md, check D3)",
     )
 
 
@@ -366,10 +371,8 @@ def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, 
         return
     device_check(
         ~has_holes(mask.to(device=ids.device, dtype=torch.bool)).any(),
-        f"{type(module).__name__} under torch.compile: an uncached call whose attention_mask has a pad between "
-        "real tokens (a hole) cannot be re-laid while traced, and this model's attention counts slots (a sliding "
-        "window, slot distances or slot-scaled queries) over row positions. Move each row's pads to one side before "
-        "the call (left or right padding), or make this call eagerly.",
+        f"{type(module).__name__} under torch.compile: attention_mask has a pad between real tokens, which a traced "
+        "call cannot re-lay; pad each row on one side, or call eagerly (docs/limits.md, check D4)",
     )
 
 
@@ -396,6 +399,8 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
         "tokens in a row; packed rows may only end in padding (under torch.compile this holds for rows of one "
         f"sequence with {source} too). Put the pads at the end of each row (the safepad collator packs without any), "
         "or pad one sequence per row without packing boundaries.",
+        f"boundaries from {source} next to an attention_mask with pads before or between real tokens: packed rows "
+        "may only end in padding (docs/limits.md, check D5)",
     )
     out = torch.where(mask, seq_idx, seq_idx.amax(dim=1, keepdim=True) + 1).to(torch.int32)  # [B, T]
     if tracing():
