@@ -267,7 +267,11 @@ def _forward(
     temperature: float,
     max_tokens_per_row: int | None,
     chunk_size: int,
-) -> tuple[Tensor, Tensor]:
+    compute_aux_loss: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(logps [B, T], entropy [B, T], aux_loss [] or None)``: see :func:`packed_logprobs`. ``compute_aux_loss``:
+    also the model's MoE load-balancing loss over every real token of the batch (its ``aux_loss`` output, as the
+    padded forward with ``attention_mask`` computes it)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if chunk_size < 1:
@@ -282,7 +286,8 @@ def _forward(
     B, T = input_ids.shape
     if not bool(mask.any()):  # T = 0, B = 0 or only pads: no log-prob to compute, the model is not run
         zeros = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
-        return zeros, zeros.clone()
+        aux = zeros.new_zeros(()) if compute_aux_loss else None
+        return zeros, zeros.clone(), aux
     scored = mask.clone()
     scored[:, 1:] &= mask[:, :-1]  # the first token of each sequence has no prediction
     scored[:, 0] = False
@@ -296,7 +301,13 @@ def _forward(
     logps = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
     if plan.ids.numel() == 0:
-        return logps.view(B, T), entropy.view(B, T)
+        return logps.view(B, T), entropy.view(B, T), (logps.new_zeros(()) if compute_aux_loss else None)
+    extra: dict[str, object] = {}
+    if compute_aux_loss:
+        _check_router_loss_mask(lm)
+        real = torch.zeros(plan.ids.numel(), dtype=torch.long, device=input_ids.device)
+        real[plan.dst] = 1  # the rows' unused tails stay out of the load-balancing loss
+        extra = {"output_router_logits": True, "real_token_mask": real.view(plan.ids.shape)}
 
     captured: list[object] = []
 
@@ -308,7 +319,7 @@ def _forward(
     try:
         # through the caller's model object (DDP / PEFT / TRL's patched forward run as usual); logits_to_keep=1:
         # the model's own head projects one position per row, the scored ones are projected below
-        model(
+        out = model(
             input_ids=plan.ids,
             position_ids=plan.position_ids,
             seq_idx=plan.seq_idx,
@@ -318,6 +329,7 @@ def _forward(
             max_length_k=plan.max_length,
             use_cache=False,
             logits_to_keep=1,
+            **extra,
         )
     finally:
         handle.remove()
@@ -340,7 +352,38 @@ def _forward(
     if picked:
         logps = logps.index_put((src,), torch.cat(picked))
         entropy = entropy.index_put((src,), torch.cat(ents))
-    return logps.view(B, T), entropy.view(B, T)
+    aux_loss = None
+    if compute_aux_loss:
+        aux_loss = getattr(out, "aux_loss", None)
+        if aux_loss is None:
+            raise ValueError(
+                f"{type(lm).__name__} returned no aux_loss with output_router_logits=True: it computes no MoE "
+                f"load-balancing loss. {_AUX_LOSS_OFF}"
+            )
+    return logps.view(B, T), entropy.view(B, T), aux_loss
+
+
+#: how to turn the MoE load-balancing loss off, for the messages that refuse it
+_AUX_LOSS_OFF = (
+    "Turn the auxiliary loss off: GRPOConfig(router_aux_loss_coef=0.0) (TRL's argument), or "
+    "model.config.router_aux_loss_coef = 0.0 (the config key TRL reads; for a VLM, the text config's) before "
+    "building the trainer"
+)
+
+
+def _check_router_loss_mask(lm: nn.Module) -> None:
+    """Raise unless safepad hands this family's router loss the real-token mask of a packed call (the spec option
+    ``router_loss_mask``): without it the packed rows' unused tails would count in the load-balancing loss."""
+    specs = [m._safepad_spec for m in lm.modules() if getattr(m, "_safepad_spec", None) is not None]
+    if not any(spec.options.get("router_loss_mask") for spec in specs):
+        from .specs.registry import all_specs
+
+        families = ", ".join(sorted({spec.model_type for spec in specs})) or type(lm).__name__
+        supported = ", ".join(spec.model_type for spec in all_specs() if spec.options.get("router_loss_mask"))
+        raise ValueError(
+            f"packed_logprobs cannot compute the MoE load-balancing loss of {families} on packed rows: safepad does "
+            f"not hand its router loss the packed rows' real-token mask (it does for {supported}). {_AUX_LOSS_OFF}"
+        )
 
 
 def packed_logprobs(
@@ -390,4 +433,5 @@ def packed_logprobs_and_entropy(
 ) -> tuple[Tensor, Tensor]:
     """:func:`packed_logprobs` and the entropy ``[B, T]`` float32 of each scored token's distribution (the
     distribution it was drawn from: ``softmax(logits / temperature)``), 0 where no log-prob is computed."""
-    return _forward(model, input_ids, attention_mask, completion_mask, temperature, max_tokens_per_row, chunk_size)
+    out = _forward(model, input_ids, attention_mask, completion_mask, temperature, max_tokens_per_row, chunk_size)
+    return out[0], out[1]
