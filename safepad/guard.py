@@ -116,9 +116,24 @@ def _is_mixer(module: nn.Module) -> bool:
     return bool((_MIXER_NAME.search(name) and _owns_conv1d(module)) or _LINEAR_ATTENTION_NAME.search(name))
 
 
+def _registry_mixer(module: nn.Module) -> bool:
+    """Whether safepad's spec registry patches ``module``'s class (a patched module counts by its original class)."""
+    from .specs.registry import spec_for_module
+
+    return getattr(module, "_safepad_spec", None) is not None or spec_for_module(module) is not None
+
+
 def _mixer_modules(model: nn.Module) -> list[nn.Module]:
-    """The recurrent mixer modules of ``model`` (see :func:`find_ssm_layers`)."""
-    return [m for m in model.modules() if _is_mixer(m)]
+    """The recurrent mixer modules of ``model`` (see :func:`find_ssm_layers`).
+
+    A model of a family safepad supports: exactly the modules whose class the spec registry patches (what
+    :func:`safepad.wrap` patches), so that an attention class whose name happens to match the name patterns (e.g.
+    Kimi-Linear's full-attention ``KimiLinearAttention``) is not taken for an unwrapped mixer. A model none of
+    whose modules the registry knows: the class-name patterns below.
+    """
+    modules = list(model.modules())
+    claimed = [m for m in modules if _registry_mixer(m)]
+    return claimed if claimed else [m for m in modules if _is_mixer(m)]
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ materialises ``[B, T, V]`` logits. :func:`packed_logprobs` instead
    (:func:`safepad.collators.packing.bfd_assign`; no sequence is cut, no token dropped);
 3. runs the wrapped model once on the packed ``[R, L]`` rows, the boundaries given as ``seq_idx``,
    restarting ``position_ids`` and ``cu_seq_lens_q/k`` (each row's unused tail is a segment of its own);
-4. projects only the hidden states of the scored tokens through the LM head, in chunks of ``chunk_size``
-   tokens (recomputed in backward), and gathers ``log_softmax(logits / temperature)`` of each token;
+4. projects only the hidden states of the scored tokens through the model's own output head, in chunks of
+   ``chunk_size`` tokens (recomputed in backward), and gathers ``log_softmax(logits / temperature)`` of each
+   token. The head is the causal LM's own forward run on those hidden states (its backbone swapped for them), so
+   every family's final scaling, softcapping, μP multipliers and vocab slicing are the model's own code;
 5. scatters the result back into the caller's ``[B, T]`` layout.
 
 The result equals each sequence run alone through the stock model (tests/rl). The model must be wrapped
@@ -19,6 +21,7 @@ The result equals each sequence run alone through the stock model (tests/rl). Th
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from transformers.utils import ModelOutput
 
 from .errors import PaddingError
 from .wrap import is_wrapped
@@ -66,6 +70,8 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor | None, completion_m
         mask = attention_mask.to(torch.bool)
     if completion_mask is not None and tuple(completion_mask.shape) != (B, T):
         raise ValueError(f"completion_mask has shape {tuple(completion_mask.shape)}, input_ids {(B, T)}")
+    if mask.numel() == 0:  # T = 0 or B = 0: no token, nothing to check
+        return mask
     lengths = mask.sum(1)  # [B]
     first = mask.to(torch.int8).argmax(1)  # [B]
     pos = torch.arange(T, device=mask.device)
@@ -147,37 +153,104 @@ def _causal_lm(model: nn.Module) -> nn.Module:
             inner = inner.module  # DDP and other ``.module`` wrappers
         else:
             break
-    if not callable(getattr(inner, "get_output_embeddings", None)) or inner.get_output_embeddings() is None:
-        raise ValueError(f"packed_logprobs needs a causal LM with an LM head, got {type(inner).__name__}")
-    return inner
+    if _has_head(inner):
+        return inner
+    # a multimodal wrapper whose forward hands the text to an inner causal LM (NemotronH-Omni's language_model)
+    inner_lms = [m for m in inner.modules() if m is not inner and _has_head(m)]
+    if len(inner_lms) == 1:
+        return inner_lms[0]
+    raise ValueError(f"packed_logprobs needs a causal LM with an LM head, got {type(inner).__name__}")
 
 
-def _logit_transform(config) -> tuple[float, float | None]:
-    """``(scale, softcap)`` the model's forward applies to ``lm_head(h)``, read from its config as TRL does
-    (plus RecurrentGemma's ``logits_soft_cap``)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None)
-    if softcap is None:
-        softcap = getattr(text, "logits_soft_cap", None)  # RecurrentGemma (TRL 1.16's fused head misses it)
-    scale = getattr(text, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text, "lm_head_multiplier", None)  # Falcon-H1
-    if scale is None and getattr(text, "logits_scaling", None) is not None:  # Granite(MoE)Hybrid divides
-        scale = 1.0 / text.logits_scaling
-    return (1.0 if scale is None else float(scale)), (None if not softcap else float(softcap))
+def _has_head(module: nn.Module) -> bool:
+    get = getattr(module, "get_output_embeddings", None)
+    return callable(get) and get() is not None
 
 
-def _head_chunk(
-    h: Tensor, targets: Tensor, head: nn.Module, scale: float, softcap: float | None, temperature: float
-) -> tuple[Tensor, Tensor]:
+class _HiddenStatesIn(nn.Module):
+    """Stands in for the backbone while the causal LM's own forward turns given hidden states into logits.
+
+    ``forward`` returns the backbone output ``output`` (its last hidden state replaced by the chunk to project)
+    whatever it is called with; any other attribute (``lm_head_multiplier``, ``config``, ...) is the backbone's.
+    """
+
+    def __init__(self, backbone: nn.Module, output: object) -> None:
+        super().__init__()
+        object.__setattr__(self, "_safepad_backbone", backbone)  # not registered: no parameters of its own
+        object.__setattr__(self, "_safepad_output", output)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self._safepad_output
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_safepad_backbone"), name)
+
+
+class _OwnHead:
+    """The model's own output head: its ``forward`` after the backbone (final scaling, LM head, softcapping,
+    μP multipliers, vocab slicing), run on given hidden states ``[n, H]`` -> logits ``[n, V]``.
+
+    The causal LM's forward is called with the backbone swapped for a :class:`_HiddenStatesIn` that hands back
+    the hidden states, so whatever the family's forward does between its backbone and its logits is done by
+    that code itself, not re-implemented here.
+    """
+
+    def __init__(self, lm: nn.Module, backbone: nn.Module, output: object) -> None:
+        self.lm = lm
+        self.backbone = backbone
+        self.name = next((n for n, child in lm.named_children() if child is backbone), None)
+        if self.name is None:
+            raise ValueError(
+                f"packed_logprobs runs {type(lm).__name__}'s own output head on the packed hidden states, but its "
+                f"backbone {type(backbone).__name__} is not a direct child of it; score such a model with its padded "
+                "forward instead"
+            )
+        self.output = output
+        params = inspect.signature(lm.forward).parameters
+        self.kwargs: dict[str, object] = {"use_cache": False}
+        if "logits_to_keep" in params:
+            self.kwargs["logits_to_keep"] = 0
+        if "output_router_logits" in params:
+            self.kwargs["output_router_logits"] = False
+
+    def _output_with(self, h: Tensor) -> object:
+        out = self.output
+        if isinstance(out, ModelOutput):
+            fields = {k: None for k in out.keys()}
+            fields[next(iter(out.keys()))] = h
+            return type(out)(**fields)
+        return (h,)
+
+    def __call__(self, h: Tensor, targets: Tensor) -> Tensor:
+        """Logits ``[n, V]`` of hidden states ``h`` ``[n, H]`` (``targets`` ``[n]`` stand in as the input ids)."""
+        stub = _HiddenStatesIn(self.backbone, self._output_with(h[None]))
+        modules = self.lm._modules
+        modules[self.name] = stub
+        try:
+            out = self.lm.forward(input_ids=targets[None], **self.kwargs)
+        except Exception as exc:
+            raise RuntimeError(
+                f"packed_logprobs runs {type(self.lm).__name__}'s own forward on the packed hidden states to apply "
+                f"its output head, and that forward failed ({type(exc).__name__}: {exc}); score this model with its "
+                "padded forward instead"
+            ) from exc
+        finally:
+            modules[self.name] = self.backbone
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        if not isinstance(logits, Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, h.shape[0]):
+            raise RuntimeError(
+                f"{type(self.lm).__name__}'s forward returned logits of shape {getattr(logits, 'shape', None)} for "
+                f"{h.shape[0]} hidden states; packed_logprobs cannot apply its output head"
+            )
+        return logits[0]
+
+
+def _head_chunk(h: Tensor, targets: Tensor, head: _OwnHead, temperature: float) -> tuple[Tensor, Tensor]:
     """``(log p(target), entropy)`` ``[n]`` float32 from hidden states ``h`` ``[n, H]``."""
-    logits = head(h).float()  # [n, V]
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = head(h, targets).float()  # [n, V]
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.log_softmax(-1)
@@ -194,7 +267,11 @@ def _forward(
     temperature: float,
     max_tokens_per_row: int | None,
     chunk_size: int,
-) -> tuple[Tensor, Tensor]:
+    compute_aux_loss: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(logps [B, T], entropy [B, T], aux_loss [] or None)``: see :func:`packed_logprobs`. ``compute_aux_loss``:
+    also the model's MoE load-balancing loss over every real token of the batch (its ``aux_loss`` output, as the
+    padded forward with ``attention_mask`` computes it)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if chunk_size < 1:
@@ -207,6 +284,10 @@ def _forward(
         )
     mask = _check_inputs(input_ids, attention_mask, completion_mask)
     B, T = input_ids.shape
+    if not bool(mask.any()):  # T = 0, B = 0 or only pads: no log-prob to compute, the model is not run
+        zeros = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
+        aux = zeros.new_zeros(()) if compute_aux_loss else None
+        return zeros, zeros.clone(), aux
     scored = mask.clone()
     scored[:, 1:] &= mask[:, :-1]  # the first token of each sequence has no prediction
     scored[:, 0] = False
@@ -220,19 +301,25 @@ def _forward(
     logps = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
     if plan.ids.numel() == 0:
-        return logps.view(B, T), entropy.view(B, T)
+        return logps.view(B, T), entropy.view(B, T), (logps.new_zeros(()) if compute_aux_loss else None)
+    extra: dict[str, object] = {}
+    if compute_aux_loss:
+        _check_router_loss_mask(lm)
+        real = torch.zeros(plan.ids.numel(), dtype=torch.long, device=input_ids.device)
+        real[plan.dst] = 1  # the rows' unused tails stay out of the load-balancing loss
+        extra = {"output_router_logits": True, "real_token_mask": real.view(plan.ids.shape)}
 
-    captured: list[Tensor] = []
+    captured: list[object] = []
 
-    def grab(module, args, output):  # the backbone's last hidden state [R, L, H]
-        captured.append(output[0])  # a ModelOutput's first field, or a tuple's first element
+    def grab(module, args, output):  # the backbone's output: its last hidden state [R, L, H] first
+        captured.append(output)
 
     backbone = lm.base_model
     handle = backbone.register_forward_hook(grab)
     try:
         # through the caller's model object (DDP / PEFT / TRL's patched forward run as usual); logits_to_keep=1:
         # the model's own head projects one position per row, the scored ones are projected below
-        model(
+        out = model(
             input_ids=plan.ids,
             position_ids=plan.position_ids,
             seq_idx=plan.seq_idx,
@@ -242,20 +329,20 @@ def _forward(
             max_length_k=plan.max_length,
             use_cache=False,
             logits_to_keep=1,
+            **extra,
         )
     finally:
         handle.remove()
     if len(captured) != 1:
         raise RuntimeError(f"the backbone {type(backbone).__name__} ran {len(captured)} times in one forward")
-    hidden = captured[0]
+    hidden = captured[0][0]  # a ModelOutput's first field, or a tuple's first element
     H = hidden.shape[-1]
     h = hidden.reshape(-1, H)[dst - 1]  # [K, H]: the hidden state before each scored token (same segment)
     targets = plan.ids.reshape(-1)[dst]  # [K]
-    head = lm.get_output_embeddings()
-    scale, softcap = _logit_transform(lm.config)
+    head = _OwnHead(lm, backbone, captured[0])
     picked, ents = [], []
     for start in range(0, h.shape[0], chunk_size):
-        args = (h[start : start + chunk_size], targets[start : start + chunk_size], head, scale, softcap, temperature)
+        args = (h[start : start + chunk_size], targets[start : start + chunk_size], head, temperature)
         if torch.is_grad_enabled() and h.requires_grad:
             p, e = checkpoint(_head_chunk, *args, use_reentrant=False)  # [n, V] logits recomputed in backward
         else:
@@ -265,7 +352,38 @@ def _forward(
     if picked:
         logps = logps.index_put((src,), torch.cat(picked))
         entropy = entropy.index_put((src,), torch.cat(ents))
-    return logps.view(B, T), entropy.view(B, T)
+    aux_loss = None
+    if compute_aux_loss:
+        aux_loss = getattr(out, "aux_loss", None)
+        if aux_loss is None:
+            raise ValueError(
+                f"{type(lm).__name__} returned no aux_loss with output_router_logits=True: it computes no MoE "
+                f"load-balancing loss. {_AUX_LOSS_OFF}"
+            )
+    return logps.view(B, T), entropy.view(B, T), aux_loss
+
+
+#: how to turn the MoE load-balancing loss off, for the messages that refuse it
+_AUX_LOSS_OFF = (
+    "Turn the auxiliary loss off: GRPOConfig(router_aux_loss_coef=0.0) (TRL's argument), or "
+    "model.config.router_aux_loss_coef = 0.0 (the config key TRL reads; for a VLM, the text config's) before "
+    "building the trainer"
+)
+
+
+def _check_router_loss_mask(lm: nn.Module) -> None:
+    """Raise unless safepad hands this family's router loss the real-token mask of a packed call (the spec option
+    ``router_loss_mask``): without it the packed rows' unused tails would count in the load-balancing loss."""
+    specs = [m._safepad_spec for m in lm.modules() if getattr(m, "_safepad_spec", None) is not None]
+    if not any(spec.options.get("router_loss_mask") for spec in specs):
+        from .specs.registry import all_specs
+
+        families = ", ".join(sorted({spec.model_type for spec in specs})) or type(lm).__name__
+        supported = ", ".join(spec.model_type for spec in all_specs() if spec.options.get("router_loss_mask"))
+        raise ValueError(
+            f"packed_logprobs cannot compute the MoE load-balancing loss of {families} on packed rows: safepad does "
+            f"not hand its router loss the packed rows' real-token mask (it does for {supported}). {_AUX_LOSS_OFF}"
+        )
 
 
 def packed_logprobs(
@@ -283,7 +401,8 @@ def packed_logprobs(
     ``out[b, t] = log softmax(logits / temperature)[input_ids[b, t]]``, the logits being those of the tokens
     before ``t`` in row ``b``'s own sequence, as if that sequence ran alone (no padding, no cache) through the
     model. ``out`` is 0 at the first token of each sequence, at pads and where ``completion_mask`` is 0, and
-    differentiable (gradients reach the model's parameters as through the padded forward).
+    differentiable (gradients reach the model's parameters as through the padded forward). A batch without a
+    real token (``T = 0``, ``B = 0`` or only pads) gives zeros ``[B, T]`` without running the model.
 
     Args:
         model: a :func:`safepad.wrap`-ped causal LM (or a DDP / PEFT wrapper of one).
@@ -314,4 +433,5 @@ def packed_logprobs_and_entropy(
 ) -> tuple[Tensor, Tensor]:
     """:func:`packed_logprobs` and the entropy ``[B, T]`` float32 of each scored token's distribution (the
     distribution it was drawn from: ``softmax(logits / temperature)``), 0 where no log-prob is computed."""
-    return _forward(model, input_ids, attention_mask, completion_mask, temperature, max_tokens_per_row, chunk_size)
+    out = _forward(model, input_ids, attention_mask, completion_mask, temperature, max_tokens_per_row, chunk_size)
+    return out[0], out[1]

@@ -10,8 +10,10 @@ method returns::
 
 TRL 1.16's ``RLOOTrainer`` has the same method and takes the same mixin. The mixin relies on the private
 method's name and leading parameters (checked when the class is defined: a TRL that changes them raises
-``TypeError`` there, not a wrong result later). Text-only: multimodal inputs and the MoE auxiliary loss raise
-``ValueError``.
+``TypeError`` there, not a wrong result later). Text-only: multimodal inputs raise ``ValueError``. The MoE
+load-balancing loss (``compute_aux_loss``) is computed over the real tokens of the packed rows for the families
+whose router loss safepad masks (Jamba, Qwen3-Next, Qwen3.5-MoE, GraniteMoeHybrid); other MoE families raise
+``ValueError`` naming the fix: ``GRPOConfig(router_aux_loss_coef=0.0)``.
 """
 
 from __future__ import annotations
@@ -81,36 +83,41 @@ class PackedGRPOMixin:
         compute_aux_loss: bool = False,
         **inputs: Any,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """TRL's contract: ``(logps [B, K], entropies [B, K] or None, None)`` for the last ``K = logits_to_keep``
-        columns of ``input_ids`` ``[B, T]``, 0 where ``attention_mask`` is 0."""
-        from ..rl import packed_logprobs_and_entropy
+        """TRL's contract: ``(logps [B, K], entropies [B, K] or None, aux_loss [] or None)`` for the last
+        ``K = logits_to_keep`` columns of ``input_ids`` ``[B, T]``, 0 where ``attention_mask`` is 0.
+
+        ``compute_aux_loss`` (TRL sets it when the model is an MoE and ``router_aux_loss_coef != 0``): the MoE
+        load-balancing loss over the real tokens of each micro-batch, averaged over the micro-batches, as TRL's
+        padded forward computes it. Families whose router loss safepad cannot keep to the real tokens of packed
+        rows raise ``ValueError`` naming the setting that turns the loss off (``router_aux_loss_coef=0.0``).
+        """
+        from ..rl import DEFAULT_CHUNK_SIZE, _forward
 
         given = sorted(k for k, v in inputs.items() if v is not None)
         if given:
             raise ValueError(
                 f"safepad.PackedGRPOMixin scores text only, got {given}: use TRL's GRPOTrainer without the mixin"
             )
-        if compute_aux_loss:
-            raise ValueError(
-                "safepad.PackedGRPOMixin does not compute the MoE load-balancing loss (compute_aux_loss=True): "
-                "use TRL's GRPOTrainer without the mixin, or turn the auxiliary loss off"
-            )
         B, T = input_ids.shape
         completion = torch.zeros_like(attention_mask, dtype=torch.bool)
         completion[:, T - logits_to_keep :] = True  # TRL scores the last logits_to_keep columns
         step = batch_size or B
-        logps, entropies = [], []
+        logps, entropies, aux_losses = [], [], []
         for start in range(0, B, step):
             end = min(start + step, B)
             with self.accelerator.autocast():  # type: ignore[attr-defined]
-                lp, ent = packed_logprobs_and_entropy(
+                lp, ent, aux = _forward(
                     model,
                     input_ids[start:end],
                     attention_mask[start:end],
-                    completion_mask=completion[start:end],
-                    temperature=self.temperature,  # type: ignore[attr-defined]
-                    max_tokens_per_row=self.packed_max_tokens_per_row,
+                    completion[start:end],
+                    self.temperature,  # type: ignore[attr-defined]
+                    self.packed_max_tokens_per_row,
+                    DEFAULT_CHUNK_SIZE,
+                    compute_aux_loss=compute_aux_loss,
                 )
             logps.append(lp[:, T - logits_to_keep :])
             entropies.append(ent[:, T - logits_to_keep :])
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+            aux_losses.append(aux)
+        aux_loss = torch.stack(aux_losses).mean() if compute_aux_loss else None  # as TRL: the micro-batches' mean
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), aux_loss

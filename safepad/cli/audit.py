@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["add_parser", "plot_pad_sweep", "run"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``safepad.wrap(model, backend=...)`` values
+_BACKENDS = ("auto", "torch", "kernels")
+#: what installs matplotlib for ``--plot``
+PLOT_EXTRA = 'pip install "safepad[plot]"'
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
-    p.add_argument("--backend", default="auto", help="safepad.wrap backend (default auto)")
+    p.add_argument("--backend", choices=_BACKENDS, default="auto", help="safepad.wrap backend (default auto)")
     p.add_argument("--scenarios", default=None, metavar="A,B,C", help=f"subset of: {', '.join(AUDIT_SCENARIOS)}")
     p.add_argument("--tol", type=float, default=None, help="max |Δ| tolerated (default: by dtype, 1e-4 for fp32)")
     p.add_argument("--no-wrap", action="store_true", help="audit the stock model only")
@@ -77,6 +81,26 @@ def _parse_scenarios(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             f"--scenarios: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(AUDIT_SCENARIOS)}"
         )
     return names
+
+
+def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Usage errors (exit 2) before anything runs: an output file whose directory does not exist, or ``--plot``
+    without matplotlib."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            parser.error(f"{flag}: {path!r} is a directory; pass a file name")
+        if not os.path.isdir(folder):
+            parser.error(f"{flag}: the directory {folder!r} does not exist; create it first or write elsewhere")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"{flag}: the directory {folder!r} is not writable")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            parser.error(f"--plot needs matplotlib, which cannot be imported ({exc}): {PLOT_EXTRA}")
 
 
 def _load_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[nn.Module, str]:
@@ -233,14 +257,16 @@ def _print_report(console: Any, report: AuditReport) -> None:
 
     wrapped = report.wrapped is not None
     table = Table(title=f"safepad audit: {report.model_name} ({report.dtype}, {report.device}, tol {report.tol:g})")
-    table.add_column("scenario")
-    table.add_column("stock max|Δ|", justify="right")
+    width = max((len(stock.name) for stock, _ in report.rows()), default=8)
+    table.add_column("scenario", no_wrap=True, min_width=width)  # never cut to "chunked_pr…"
+    # a narrow terminal folds the other cells onto more lines rather than cutting them ("…")
+    table.add_column("stock max|Δ|", justify="right", overflow="fold")
     if wrapped:
-        table.add_column("wrapped max|Δ|", justify="right")
-    table.add_column("result")
-    table.add_column("stock cached state max|Δ|")
+        table.add_column("wrapped max|Δ|", justify="right", overflow="fold")
+    table.add_column("result", overflow="fold")
+    table.add_column("stock cached state max|Δ|", overflow="fold")
     if wrapped:
-        table.add_column("wrapped cached state max|Δ|")
+        table.add_column("wrapped cached state max|Δ|", overflow="fold")
     for stock, wr in report.rows():
         subject = wr if wr is not None else stock
         row = [stock.name, _cell(stock)]
@@ -252,11 +278,12 @@ def _print_report(console: Any, report: AuditReport) -> None:
         table.add_row(*row)
     console.print(table)
     same = next((r.same_dtype_tol for r in report.subject if r.same_dtype_tol is not None), None)
-    console.print(_legend(report.tol, wrapped, same), markup=False, highlight=False)
-    for stock, wr in report.rows():
+    console.print(_legend(report.tol, wrapped, same), markup=False, highlight=False, soft_wrap=True)
+    for stock, wr in report.rows():  # the legend's promise: every "raises X" cell's message
         for label, r in (("stock", stock), ("wrapped", wr)):
-            if r is not None and r.error is not None and (label == "wrapped" or not wrapped):
-                console.print(f"[red]{label} {r.name}:[/] {r.error}", markup=True, highlight=False)
+            if r is not None and r.applicable and r.error is not None:
+                console.print(f"[red]{label} {r.name}:[/] ", end="", markup=True, highlight=False)
+                console.print(r.error, markup=False, highlight=False, soft_wrap=True)
     subject = "wrapped" if wrapped else "stock"
     n_fail = sum(1 for r in report.subject if r.applicable and not r.passed)
     if report.passed:
@@ -315,6 +342,7 @@ def run(
         parser.error("--max-pads: must be >= 0")
     if args.tol is not None and not args.tol > 0:
         parser.error("--tol: must be > 0")
+    _check_outputs(args, parser)
     fn = _resolve_wrap(args, parser, wrap_fn)
     model, label = _load_model(args, parser)
     console = Console() if sys.stdout.isatty() else Console(width=150)  # no 80-column wrap in logs and pipes

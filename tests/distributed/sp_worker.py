@@ -409,6 +409,9 @@ def trainer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     f"ref-{cid}", batch * world // sp_size, accum, out_dir, dtype=torch.float64
                 )
                 _reset_accelerate(partial=True)
+            if (i + len(TRAINER_CASES)) % world == rank:  # the same single process in float32: its own rounding
+                res[f"ref32-{cid}"] = _run_trainer(f"ref32-{cid}", batch * world // sp_size, accum, out_dir)
+                _reset_accelerate(partial=True)
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         res["accelerate"] = _accelerate_recipe()

@@ -17,10 +17,37 @@ import pytest
 import torch
 
 import safepad
-from safepad.testing.scenarios import run_scenario
+from safepad.testing.scenarios import PACKED_LENGTHS, _gen, _ModelIO, _packed_inputs, run_scenario
 from safepad.testing.tiny import family_available, tiny_model
 
 SCENARIOS = ("packed_seq_idx", "right_pad_decode")
+#: the wrapped model's |Δ logits| may be this many times the stock model's own float32 rounding (measured on the
+#: scenario's sequences against the same weights in float64): a packed or padded row rounds as differently from
+#: the row alone as the float32 row alone does from float64, a few times over; a layout defect is ~1e-1 off
+NOISE_FACTOR = 32
+
+
+def _fp32_noise(stock) -> float:
+    """The stock model's own float32 rounding, relative as the scenarios measure it: max |logits32 - logits64| /
+    max(1, max |logits64|) over the packed scenario's sequences, each run alone through the model in float32 and
+    through a float64 copy of it (at least 8 float32 ulps)."""
+    stock64 = copy.deepcopy(stock).double()
+    if callable(getattr(stock64, "set_experts_implementation", None)):
+        try:
+            stock64.set_experts_implementation("eager")  # grouped_mm has no float64
+        except (ValueError, AttributeError):
+            pass
+    io32, io64 = _ModelIO(stock), _ModelIO(stock64)
+    seqs, _, _ = _packed_inputs(io32.vocab, _gen(0, "packed"), PACKED_LENGTHS)
+    err = scale = 0.0
+    with torch.no_grad():
+        for seq in seqs:
+            pos = torch.arange(seq.numel())[None]
+            a, _ = io32(seq[None], position_ids=pos, use_cache=False)
+            b, _ = io64(seq[None], position_ids=pos, use_cache=False)
+            err = max(err, (a.double() - b).abs().max().item())
+            scale = max(scale, b.abs().max().item())
+    return max(err / max(1.0, scale), 8 * torch.finfo(torch.float32).eps)
 
 
 def _case(family: str, id_: str, **overrides):
@@ -113,9 +140,10 @@ def test_config_option_wrapped_equals_each_sequence_alone(family, overrides):
     except ValueError as exc:  # refusing is allowed, at wrap() time and naming the option
         assert any(name in str(exc) for name in overrides), f"wrap() raised without naming {list(overrides)}: {exc}"
         return
+    tol = NOISE_FACTOR * _fp32_noise(stock)  # from this machine's rounding, not a number tuned to one CPU
     for scenario in SCENARIOS:
-        res = run_scenario(wrapped, copy.deepcopy(stock), scenario)
-        assert res.passed, (scenario, res.status, res.error, res.max_abs_logits, res.state_errors)
+        res = run_scenario(wrapped, copy.deepcopy(stock), scenario, tol=tol)
+        assert res.passed, (scenario, tol, res.status, res.error, res.max_abs_logits, res.state_errors)
 
 
 @pytest.mark.parametrize("name", ["gelu", "relu", "tanh"])
