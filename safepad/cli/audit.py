@@ -279,6 +279,13 @@ def _print_report(console: Any, report: AuditReport) -> None:
     console.print(table)
     same = next((r.same_dtype_tol for r in report.subject if r.same_dtype_tol is not None), None)
     console.print(_legend(report.tol, wrapped, same), markup=False, highlight=False, soft_wrap=True)
+    if report.reference_rounding is not None:
+        console.print(
+            f"  tol on {report.device}: at least 4 x the float32 reference's own rounding there, "
+            f"{report.reference_rounding:.1e} x max(1, scale) against a float64 copy (a stock model on CUDA runs "
+            "mamba-ssm / FLA Triton kernels whose float32 matmuls round to TF32; docs/limits.md)",
+            markup=False, highlight=False, soft_wrap=True,
+        )
     for stock, wr in report.rows():  # the legend's promise: every "raises X" cell's message
         for label, r in (("stock", stock), ("wrapped", wr)):
             if r is not None and r.applicable and r.error is not None:
