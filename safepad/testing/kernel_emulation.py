@@ -14,9 +14,9 @@ safepad's dispatchers send a call to mamba-ssm / causal-conv1d / FLA only when t
   packages' real Python wrappers (argument checks, layouts, limits) run unchanged;
 * safepad's one device check (:func:`safepad.ops.kernels.set_kernel_device_check`) accepts CPU tensors.
 
-Only tests and ``benchmarks/gpu_check.py --emulate`` call this; the library never does. The stand-ins
+Only tests and ``python -m benchmarks.gpu_check --emulate`` call this; the library never does. The stand-ins
 prove the wrappers and safepad's dispatch around them, not the CUDA code itself: a GPU run
-(``benchmarks/gpu_check.py``) still has to confirm the compiled kernels.
+(``python -m benchmarks.gpu_check``) still has to confirm the compiled kernels.
 """
 
 from __future__ import annotations
