@@ -291,8 +291,8 @@ class Check:
 
 #: the checks, in order; model-level checks (safepad.wrap) come last
 CHECKS: list[Check] = [
-    Check(check_conv, (("causal_conv1d_fn",),)),
-    Check(check_conv_step, (("causal_conv1d_update",),)),
+    Check(check_conv, (("causal_conv1d_fn", "fla_causal_conv1d"),)),
+    Check(check_conv_step, (("causal_conv1d_update", "fla_causal_conv1d_update"),)),
     Check(check_scan, (("mamba_chunk_scan_combined",),)),
     Check(check_step, (("selective_state_update",),)),
     Check(check_mamba1, (("selective_scan_fn",),)),

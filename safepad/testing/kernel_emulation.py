@@ -296,6 +296,13 @@ def install() -> dict[str, bool]:
                 importlib.import_module(name)  # a real build wins (never on a CPU-only machine)
             except ImportError:
                 sys.modules[name] = make()
+        # a module imported before, without the extension (safepad.ops.kernels lets mamba-ssm's Triton kernels
+        # import that way), holds safepad's missing-extension stub under this name: it gets the stand-in too
+        for key, mod in list(sys.modules.items()):
+            if key.startswith(("mamba_ssm.", "causal_conv1d.")) and getattr(
+                mod.__dict__.get(name) if mod is not None else None, "__safepad_missing__", False
+            ):
+                setattr(mod, name, sys.modules[name])
     if not torch.cuda.is_available():
         torch.cuda.device = _NullCudaDevice
         torch.cuda.get_device_properties = _emulated_device_properties
