@@ -47,7 +47,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # out of disk installing that tier (its free space varies). Nothing here re-downloads often enough to need it.
 export PIP_NO_CACHE_DIR=1
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench fuzz clean
+.PHONY: test-cuda gpu-check-cpu gpu-wheels setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench fuzz clean
 
 # $(1): venv directory, $(2): constraints file
 define make_venv
@@ -157,5 +157,34 @@ bench: setup
 	$(BIN)/python benchmarks/bench_sequence_parallel.py
 	$(BIN)/python benchmarks/bench_rl.py
 
+# The CUDA tier, on a lent GPU machine: its own python3 (torch 2.11, no venv; the wheels from `make gpu-wheels` on
+# PYTHONPATH), the cuda-marked tests, then the GPU check's 8-minute plan (each part in its own process, its report
+# rewritten after every part under $$OUT). docs/benchmarks.md has the one command to run it with.
+CUDA_PYTHON    ?= python3
+CUDA_TEST_S    ?= 90
+GPU_CHECK_ARGS ?=
+test-cuda:
+	timeout $(CUDA_TEST_S) $(CUDA_PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests/ops || true
+	$(CUDA_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The GPU check's CPU smoke run: every part's code path at small shapes (tests/benchmarks runs it in `make test`)
+gpu-check-cpu: setup
+	$(BIN)/python -m benchmarks.gpu_check --device cpu
+
+# What a GPU run carries (pure-Python wheels for python 3.12, into .whl/, git-ignored): transformers, FLA, mamba-ssm
+# built without its CUDA extension (a py3-none-any wheel of its Triton kernels; built in the kernel venv, which has
+# torch), and safepad itself. ~25 MB; run it on the CPU machine before a GPU session.
+GPU_WHEELS ?= .whl
+GPU_WHEEL_PINS ?= transformers==5.25.0 flash-linear-attention==0.6.0 fla-core==0.6.0
+gpu-wheels: $(KVENV)/.installed
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(KVENV)/bin/pip wheel -q --no-deps --no-build-isolation \
+		-w $(GPU_WHEELS) mamba-ssm==2.3.2.post1
+	$(KVENV)/bin/pip wheel -q --no-deps -w $(GPU_WHEELS) .
+	ls -la $(GPU_WHEELS)
+
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) build .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) build .pytest_cache .hypothesis *.egg-info .triton-cache

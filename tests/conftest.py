@@ -8,8 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safepad.testing import cuda_rules
-
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread_per_worker():
@@ -19,7 +17,12 @@ def _one_thread_per_worker():
 
 @pytest.fixture(autouse=True, scope="session")
 def _cuda_assert_rules():
-    """CUDA's message-length rule for every ``torch._assert_async`` of the session (every worker process)."""
+    """CUDA's message-length rule for every ``torch._assert_async`` of the session (every worker process).
+
+    Imported here, not at the top: importing safepad imports the kernel packages (triton), which the kernel tier's
+    conftest (tests/kernels) must see first, with ``TRITON_INTERPRET`` set."""
+    from safepad.testing import cuda_rules
+
     cuda_rules.install()
     yield
 

@@ -371,6 +371,43 @@ def _causal_conv_backward(ctx, g, _g_pre):
 _causal_conv_op.register_autograd(_causal_conv_backward, setup_context=_causal_conv_setup)
 
 
+def _conv_fla(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    seq_idx: Tensor | None,
+    mask: Tensor | None,
+    init_tail: Tensor | None,
+    activation: str | None,
+) -> Tensor:
+    """The conv through FLA's Triton ``causal_conv1d`` (fwd and bwd); returns ``y [B, T, D]`` in x's dtype.
+
+    FLA's initial state is ``[N, D, K]`` per sequence (its last ``K - 1`` columns feed the conv) and varlen input
+    is one flat row with ``cu_seqlens``. Masked tokens are zeros, as on the torch core. FLA accumulates in fp32
+    and rounds once to x's dtype, as the torch core does; the weight and bias go in as fp32.
+    """
+    Bsz, T, D = x.shape
+    K = weight.shape[1]
+    xk = x if mask is None else torch.where(mask.unsqueeze(-1), x, 0.0)  # [B, T, D]
+    init = None
+    if init_tail is not None:  # [B, D, K-1] -> [B, D, K] (column 0 is never read)
+        init = torch.cat([init_tail.new_zeros(Bsz, D, 1), init_tail], dim=2)  # the torch core's dtype (fp32)
+    w = weight.float()
+    b = bias.float() if bias is not None else None
+    if seq_idx is None:
+        y, _ = kernels.fla_causal_conv1d(xk, w, b, initial_state=init, activation=activation, backend="triton")
+        return y
+    cu = cu_seqlens_from_seq_idx(seq_idx).long()  # [S + 1] over the flat B * T tokens
+    if init is not None:
+        starts = cu[:-1]
+        first = (starts % T) == 0  # [S] the row's first sequence gets the row's state
+        per_seq = init[starts // T]  # [S, D, K]
+        init = torch.where(first[:, None, None], per_seq, 0.0)
+    y, _ = kernels.fla_causal_conv1d(xk.reshape(1, Bsz * T, D), w, b, initial_state=init, activation=activation,
+                                     backend="triton", cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())  # fmt: skip
+    return y.reshape(Bsz, T, D)
+
+
 def _conv_torch(
     x: Tensor,
     weight: Tensor,
@@ -548,7 +585,18 @@ def causal_conv1d(
         and _kernel_conv_ok(x, K)
         and activation in _KERNEL_ACTIVATIONS
     )
-    if kernel_ok and kernels.use_kernels(x, weight, need=("causal_conv1d_fn",), backend=backend):
+    # without causal-conv1d, FLA's Triton conv takes every call in the kernel dtypes with the kernel activations:
+    # packed rows as varlen sequences of one flat row, and per-sequence initial states (the row's state for its
+    # first sequence, zeros for the others), which causal_conv1d_fn cannot combine with seq_idx
+    fla_ok = (
+        kernels.causal_conv1d_fn is None
+        and x.dtype in _KERNEL_DTYPES
+        and activation in _KERNEL_ACTIVATIONS
+        and not tracing()
+    )
+    if fla_ok and kernels.use_kernels(x, weight, need=("fla_causal_conv1d",), backend=backend):
+        y = _conv_fla(x, weight, bias, seq_idx, mask, init_tail, activation)
+    elif kernel_ok and kernels.use_kernels(x, weight, need=("causal_conv1d_fn",), backend=backend):
         x_k = x.contiguous().transpose(1, 2)  # [B, D, T] channel-last view (stride(1) == 1, stride(2) == D)
         if mask is not None:
             x_k = torch.where(mask.unsqueeze(-1), x, 0.0).transpose(1, 2)
@@ -636,6 +684,22 @@ def causal_conv1d_step(
         and not torch.is_grad_enabled()
         and activation in _KERNEL_ACTIVATIONS
     )
+    fla_ok = (
+        kernels.causal_conv1d_update is None
+        and x.dtype in _KERNEL_DTYPES
+        and conv_state.dtype in _KERNEL_DTYPES
+        and not torch.is_grad_enabled()
+        and activation in _KERNEL_ACTIVATIONS
+        and K > 1
+    )
+    if fla_ok and kernels.use_kernels(x, conv_state, weight, need=("fla_causal_conv1d_update",), backend=backend):
+        # FLA's update reads a cache of exactly K columns (column 0 unused) and writes it shifted in place: a copy
+        # of the last K - 1 columns goes in; the new state is the exact shift, as on the torch core
+        cache = torch.cat([conv_state.new_zeros(Bsz, D, 1), conv_state[:, :, S - (K - 1) :]], dim=2)
+        b = bias.float() if bias is not None else None
+        y, _ = kernels.fla_causal_conv1d_update(x, cache, weight=weight.float(), bias=b, activation=activation)
+        new_state = torch.cat([conv_state[:, :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=2)  # [B, D, S]
+        return y, new_state
     if backend == "kernels" and not expressible:
         raise ValueError(
             "backend='kernels': causal_conv1d_update needs conv_state with S >= K columns, a width K of 2..4, one "

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
+import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -25,6 +28,8 @@ __all__ = [
     "causal_conv1d_fn",
     "causal_conv1d_update",
     "causal_conv1d_varlen_states",
+    "fla_causal_conv1d",
+    "fla_causal_conv1d_update",
     "fla_chunk_gated_delta_rule",
     "fla_fused_recurrent_gated_delta_rule",
     "kernels_available",
@@ -42,6 +47,8 @@ selective_scan_fn = None
 causal_conv1d_fn = None
 causal_conv1d_update = None
 causal_conv1d_varlen_states = None
+fla_causal_conv1d = None
+fla_causal_conv1d_update = None
 fla_chunk_gated_delta_rule = None
 fla_fused_recurrent_gated_delta_rule = None
 
@@ -54,6 +61,10 @@ _SOURCES = {
     "causal_conv1d_fn": ("causal_conv1d", "causal_conv1d_fn"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
     "causal_conv1d_varlen_states": ("causal_conv1d.causal_conv1d_varlen", "causal_conv1d_varlen_states"),
+    # FLA's Triton causal conv (flash-linear-attention 0.6.0's module path): the conv route when causal-conv1d is
+    # not installed (safepad.ops.conv)
+    "fla_causal_conv1d": ("fla.modules.causal_conv1d", "causal_conv1d"),
+    "fla_causal_conv1d_update": ("fla.modules.causal_conv1d", "causal_conv1d_update"),
     "fla_chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
     "fla_fused_recurrent_gated_delta_rule": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
 }
@@ -89,19 +100,76 @@ def _keep_transformers_model_types():
             logger.debug("kept transformers' model type %r (an optional kernel import had registered its own)", key)
 
 
+#: the compiled extension each marker calls; a marker whose extension is :func:`_missing_extension`'s stub is None
+_EXTENSIONS = {"selective_scan_fn": "selective_scan_cuda"}
+
+
+def _missing_extension(name: str) -> types.ModuleType:
+    """A stand-in for a compiled extension that is not installed: every attribute raises ``ImportError``."""
+
+    class _Missing(types.ModuleType):
+        __safepad_missing__ = True
+
+        def __getattr__(self, attr: str):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            raise ImportError(f"{name} (mamba-ssm's CUDA extension) is not installed: {name}.{attr} is unavailable")
+
+    return _Missing(name, f"safepad: {name} is not installed")
+
+
+@contextlib.contextmanager
+def _triton_only_mamba_ssm():
+    """Let mamba-ssm import without its CUDA extension, for its Triton kernels.
+
+    ``mamba_ssm/__init__`` (2.3.2.post1) imports ``selective_scan_interface``, which imports the compiled
+    ``selective_scan_cuda`` unguarded: a mamba-ssm built without CUDA (``MAMBA_SKIP_CUDA_BUILD``; the Triton-only
+    default of later releases) does not import at all, although its Triton SSD kernels need nothing compiled.
+    While an import runs here, a missing ``selective_scan_cuda`` is a module whose attributes raise
+    ``ImportError``; it is removed from ``sys.modules`` afterwards, and the marker that calls it
+    (``selective_scan_fn``) stays ``None``.
+    """
+    name = "selective_scan_cuda"
+    added = False
+    if name not in sys.modules and importlib.util.find_spec("mamba_ssm") is not None:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = _missing_extension(name)
+            added = True
+    try:
+        yield
+    finally:
+        if added and getattr(sys.modules.get(name), "__safepad_missing__", False):
+            del sys.modules[name]
+
+
+def _extension_missing(marker: str, fn: object) -> bool:
+    """True when ``fn`` (the kernel of ``marker``) calls an extension that is only :func:`_missing_extension`."""
+    ext = _EXTENSIONS.get(marker)
+    if ext is None or fn is None:
+        return False
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    return bool(getattr(getattr(module, ext, None), "__safepad_missing__", False))
+
+
 def reload_kernels() -> dict[str, bool]:
     """(Re)do the try-imports and set each marker to the kernel or ``None``; returns :func:`kernels_available`.
 
     Runs once at import. Called again only by test support that installs stand-ins for the compiled
-    extensions (``safepad.testing.kernel_emulation``).
+    extensions (``safepad.testing.kernel_emulation``). mamba-ssm's Triton kernels import without its CUDA
+    extension (:func:`_triton_only_mamba_ssm`).
     """
     g = globals()
     for name, (module, attr) in _SOURCES.items():
         try:
-            with _keep_transformers_model_types():
+            with _keep_transformers_model_types(), _triton_only_mamba_ssm():
                 fn = getattr(importlib.import_module(module), attr)
         except Exception as e:  # noqa: BLE001 - any import failure means "not available"
             logger.debug("kernel %s not available: %s", name, e)
+            fn = None
+        if _extension_missing(name, fn):
+            logger.debug("kernel %s not available: %s is not installed", name, _EXTENSIONS[name])
             fn = None
         g[name] = fn
         _KERNELS[name] = fn

@@ -1,4 +1,4 @@
-"""Random op inputs shared by the GPU check (``benchmarks/gpu_check.py``) and the CUDA kernel tests.
+"""Random op inputs shared by the GPU check (``benchmarks/gpu_check/``) and the CUDA kernel tests.
 
 Only tests and benchmarks use these; they build tensors on any device from a seeded generator, so a GPU run
 and its CPU emulation see the same layouts.

@@ -14,9 +14,9 @@ safepad's dispatchers send a call to mamba-ssm / causal-conv1d / FLA only when t
   packages' real Python wrappers (argument checks, layouts, limits) run unchanged;
 * safepad's one device check (:func:`safepad.ops.kernels.set_kernel_device_check`) accepts CPU tensors.
 
-Only tests and ``benchmarks/gpu_check.py --emulate`` call this; the library never does. The stand-ins
+Only tests and ``python -m benchmarks.gpu_check --emulate`` call this; the library never does. The stand-ins
 prove the wrappers and safepad's dispatch around them, not the CUDA code itself: a GPU run
-(``benchmarks/gpu_check.py``) still has to confirm the compiled kernels.
+(``python -m benchmarks.gpu_check``) still has to confirm the compiled kernels.
 """
 
 from __future__ import annotations
@@ -296,6 +296,13 @@ def install() -> dict[str, bool]:
                 importlib.import_module(name)  # a real build wins (never on a CPU-only machine)
             except ImportError:
                 sys.modules[name] = make()
+        # a module imported before, without the extension (safepad.ops.kernels lets mamba-ssm's Triton kernels
+        # import that way), holds safepad's missing-extension stub under this name: it gets the stand-in too
+        for key, mod in list(sys.modules.items()):
+            if key.startswith(("mamba_ssm.", "causal_conv1d.")) and getattr(
+                mod.__dict__.get(name) if mod is not None else None, "__safepad_missing__", False
+            ):
+                setattr(mod, name, sys.modules[name])
     if not torch.cuda.is_available():
         torch.cuda.device = _NullCudaDevice
         torch.cuda.get_device_properties = _emulated_device_properties

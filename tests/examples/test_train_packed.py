@@ -115,7 +115,7 @@ ACCELERATE_FSDP_ON_CPU = (
     "here: `accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 ... examples/train_packed.py` ran as "
     "MULTI_CPU with no FSDP unit and no sharded parameter, i.e. plain DDP over gloo. FSDP2 itself runs on CPU: "
     "test_fsdp2_block_sharding_matches_one_process checks it with torch's fully_shard; this accelerate run is "
-    "benchmarks/gpu_check.py::check_fsdp2_accelerate on a GPU machine"
+    "benchmarks/gpu_check/fsdp2.py::check_fsdp2_accelerate on a GPU machine"
 )
 FSDP2_FLAGS = (
     "--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
