@@ -163,9 +163,10 @@ bench: setup
 CUDA_PYTHON    ?= python3
 CUDA_TEST_S    ?= 90
 GPU_CHECK_ARGS ?=
+# The check runs even when a cuda test fails (its report is what a lease brings back); the target fails if either did.
 test-cuda:
-	timeout $(CUDA_TEST_S) $(CUDA_PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests/ops || true
-	$(CUDA_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+	status=0; timeout $(CUDA_TEST_S) $(CUDA_PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests/ops || status=$$?; \
+	$(CUDA_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS) || status=$$?; exit $$status
 
 # The GPU check's CPU smoke run: every part's code path at small shapes (tests/benchmarks runs it in `make test`)
 gpu-check-cpu: setup
