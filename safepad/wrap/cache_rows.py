@@ -145,22 +145,25 @@ def _bookkeeping_names() -> tuple[str, ...]:
     """The attributes of safepad's per-row facts kept on a cache (each written where its call happens)."""
     from ..cache import _RECORD_ATTR
     from .generate import _ROPE_DELTAS_ATTR
+    from .mask_history import MASK_ATTR
     from .slot_record import _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR
 
-    return (_PADS_ATTR, _SHIFT_ATTR, _ROPE_DELTAS_ATTR, _RECORD_ATTR, _PADDED_FLAG, _RELAID_FLAG)
+    return (_PADS_ATTR, _SHIFT_ATTR, _ROPE_DELTAS_ATTR, _RECORD_ATTR, _PADDED_FLAG, _RELAID_FLAG, MASK_ATTR)
 
 
 def _move_bookkeeping(cache: Any, rows: torch.Tensor, batch: int) -> None:
     """safepad's per-row facts kept on ``cache`` follow its rows: the pad slots of a decode step ``[B]``, the
     position shift of a generate call ``[K, B, 1]``, the rope deltas of a generate ``[B, 1]`` (or one per prompt),
-    and the ids a generate read ``[B, n]``."""
+    the ids a generate read ``[B, n]``, and the mask columns the cache has read ``[B, L]``."""
     from ..cache import _RECORD_ATTR, _state_versions
     from .generate import _ROPE_DELTAS_ATTR
+    from .mask_history import MASK_ATTR
     from .slot_record import _PADS_ATTR, _SHIFT_ATTR, _GenerateShift
 
     d = cache.__dict__
-    if isinstance(d.get(_PADS_ATTR), torch.Tensor):
-        d[_PADS_ATTR] = _take(d[_PADS_ATTR], rows)
+    for name in (_PADS_ATTR, MASK_ATTR):
+        if isinstance(d.get(name), torch.Tensor):
+            d[name] = _take(d[name], rows)
     shift = d.get(_SHIFT_ATTR)
     if isinstance(shift, _GenerateShift):
         d[_SHIFT_ATTR] = _GenerateShift(shift.frame, _take(shift.shift, rows, dim=1))

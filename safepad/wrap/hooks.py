@@ -50,6 +50,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
+from .mask_history import check_mask_history, forget_mask_history
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs, mask_checked_by_generate
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
@@ -177,8 +178,9 @@ class _ModelPreHook:
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             forget_read(cache)  # a forward outside generate: generate's record of it is stale
+            past = _follow_mask_history(module, plan, args, kwargs, T)  # (the cache's length, read once per call)
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
-            args, kwargs = slot_justify(module, plan, args, kwargs, B, T)
+            args, kwargs = slot_justify(module, plan, args, kwargs, B, T, past)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
             record = module._safepad.slot_calls[-1]
             token_mask = record.call.token_mask if record is not None and record.call is not None else None
@@ -374,6 +376,30 @@ def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, 
         f"{type(module).__name__} under torch.compile: attention_mask has a pad between real tokens, which a traced "
         "call cannot re-lay; pad each row on one side, or call eagerly (docs/limits.md, check D4)",
     )
+
+
+def _follow_mask_history(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, T: int) -> int | None:
+    """An eager cached call's 2-D mask must keep the columns its cache has read (:mod:`safepad.wrap.mask_history`):
+    checked on the host for a chunk, on the device for a one-token step outside ``generate``; inside the model's
+    wrapped ``generate`` (whose masks never edit history) the record is dropped instead. Returns the tokens the
+    cache holds when it read them (``slot_justify`` reuses it: on some caches the length is a tensor, a host read),
+    else None."""
+    params = plan.params
+    named = dict(zip(params, args))
+    named.update(kwargs)
+    cache = next((c for n in CACHE_NAMES if (c := named.get(n)) is not None), None)
+    if cache is None or named.get("use_cache") is False:
+        return None
+    if mask_checked_by_generate(module):
+        forget_mask_history(cache)
+        return None
+    try:
+        past = _past_length(cache)
+    except ValueError:  # a cache with attention layers that cannot tell its length: the model's forward raises
+        return None
+    mask = _two_d_mask(named.get("attention_mask"))
+    check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1)
+    return past
 
 
 def _two_d_mask(mask):
