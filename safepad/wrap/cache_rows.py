@@ -125,6 +125,7 @@ def _move_layer(layer: Any, op: str, arg: Any, rows: torch.Tensor) -> None:
     own = getattr(type(layer), op, None)
     if op == "reorder_cache" or not states:
         getattr(layer, op)(arg)  # stock's: moves everything it holds (or raises as stock does)
+        _move_started(layer, rows)
         return
     if _static(layer):
         raise ValueError(
@@ -139,6 +140,16 @@ def _move_layer(layer: Any, op: str, arg: Any, rows: torch.Tensor) -> None:
         if isinstance(held, dict):
             for i, t in list(held.items()):
                 held[i] = _take(t, rows)
+    _move_started(layer, rows)
+
+
+def _move_started(layer: Any, rows: torch.Tensor) -> None:
+    """The RG-LRU's per-row "has read a real token" flags ``[B]`` on ``layer`` follow its rows."""
+    from ..mixers.rg_lru import STARTED_ATTR
+
+    started = getattr(layer, STARTED_ATTR, None)
+    if isinstance(started, torch.Tensor):
+        setattr(layer, STARTED_ATTR, started.index_select(0, rows.to(started.device)))  # [B'] bool
 
 
 def _bookkeeping_names() -> tuple[str, ...]:
