@@ -228,6 +228,8 @@ class _ModelPreHook:
                 "position_ids restart at 0 inside a row next to an attention_mask: under torch.compile give packed "
                 "rows seq_idx / cu_seq_lens_q, or no mask (docs/limits.md, check D2)",
             )
+        if not traced and plan.hybrid:
+            _check_attention_segments(module, kwargs, seq_idx, mask[:, -T:] if padding else None, (B, T))
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
             _traced_cache_positions(module, plan, args, kwargs, T, _two_d_mask(kwargs.get("attention_mask")), ids)
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]: a pad step token
@@ -375,6 +377,49 @@ def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, 
         ~has_holes(mask.to(device=ids.device, dtype=torch.bool)).any(),
         f"{type(module).__name__} under torch.compile: attention_mask has a pad between real tokens, which a traced "
         "call cannot re-lay; pad each row on one side, or call eagerly (docs/limits.md, check D4)",
+    )
+
+
+def _check_attention_segments(module: nn.Module, kwargs: dict, seq_idx, real, shape: tuple[int, int]) -> None:
+    """An eager call of a hybrid whose attention mask transformers will build from ``position_ids`` (no mask, no
+    cache reaches the model: ``masking_utils.find_packed_sequence_indices``, a new sequence wherever a position is not
+    the previous one plus 1) must read the same sequences as the recurrent layers (``seq_idx`` ``[B, T]``, None: one
+    per row; a new one at each 0 after a row's first real token, or the given boundaries). Where the two readings
+    differ at real tokens (``real`` ``[B, T]`` bool, None: every token), e.g. positions ``[-1, 0, 1]`` (attention: one
+    sequence; recurrent layers: two) or ``[0, 1, 5, 6]`` (the reverse), the result would match neither: raise
+    naming the row, the column and the fix. One host read, only for such calls."""
+    pos = kwargs.get("position_ids")
+    if kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2:
+        return
+    B, T = shape
+    if T < 2 or pos.shape[1] != T or pos.shape[0] not in (1, B):
+        return
+    cache = cache_from_kwargs(kwargs)[1]
+    if cache is not None or _cache_wanted(module, cache, kwargs.get("use_cache"))[1]:
+        return  # a cache reaches create_causal_mask: transformers reads no packing from the positions
+    pos = pos.expand(B, T)
+    attention = (pos[:, 1:] - pos[:, :-1]) != 1  # [B, T - 1]: a new sequence at column t + 1 (transformers)
+    if seq_idx is None:
+        recurrent = torch.zeros_like(attention)
+    else:
+        s = seq_idx.to(pos.device)
+        recurrent = s[:, 1:] != s[:, :-1]
+    differ = attention != recurrent
+    if real is not None:
+        r = real.to(device=pos.device, dtype=torch.bool)
+        differ &= r[:, 1:] & r[:, :-1]
+    if not bool(differ.any()):
+        return
+    row, col = (int(i) for i in differ.nonzero()[0])
+    was, now = int(pos[row, col]), int(pos[row, col + 1])
+    reading = "a new sequence" if bool(recurrent[row, col]) else "the same sequence"
+    raise ValueError(
+        f"{type(module).__name__}: position_ids[{row}] go from {was} to {now} at column {col + 1}, which safepad's "
+        f"recurrent layers read as {reading} (a new sequence starts at each 0 after a row's first real token, or at "
+        "the given seq_idx / cu_seq_lens boundaries) but this hybrid's attention layers read otherwise (transformers "
+        "starts a new sequence wherever a position is not the previous one plus 1): the result would match neither "
+        "reading. Give each sequence positions 0, 1, 2, ... (restarting at 0 at each new sequence), or pass "
+        "seq_idx / cu_seq_lens_q with such position_ids (or none; safepad derives them)."
     )
 
 
