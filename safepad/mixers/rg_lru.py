@@ -87,6 +87,30 @@ def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask:
         )
 
 
+#: ``[B]`` bool on a cache layer of the RG-LRU: whether each row's state has read a real token (a row of pads only
+#: has not: its first real token starts from a reset, as the row alone). Moved by the cache's row operations
+#: (``safepad.wrap.cache_rows``); absent means every row has
+STARTED_ATTR = "_safepad_rows_started"
+
+
+def _rows_started(cache, idx: int, B: int) -> Tensor | None:
+    """The ``[B]`` bool of :data:`STARTED_ATTR` on the cache's layer ``idx``, or None (every row has started)."""
+    started = getattr(cache.layers[idx], STARTED_ATTR, None) if cache is not None else None
+    return started if isinstance(started, Tensor) and tuple(started.shape) == (B,) else None
+
+
+def _mark_started(cache, idx: int, started: Tensor | None, mask: Tensor | None, B: int, device) -> None:
+    """After a cached call: a row has started once it read a real token (``mask`` ``[B, T]``, None: every token
+    real). Device math only (no host read)."""
+    layer = cache.layers[idx]
+    if mask is None and started is None:
+        if STARTED_ATTR in vars(layer):
+            delattr(layer, STARTED_ATTR)
+        return
+    now = torch.ones(B, dtype=torch.bool, device=device) if mask is None else mask.to(torch.bool).any(dim=1)
+    setattr(layer, STARTED_ATTR, now if started is None else started.to(now.device) | now)
+
+
 def rg_lru_block_forward(
     self,
     input_states: Tensor,
@@ -135,10 +159,14 @@ def rg_lru_block_forward(
     if cache is not None and not past.has_previous:
         _refuse_continuation_without_states(self, position_ids, mask2d)
 
+    started = _rows_started(cache, idx, B) if past.has_previous else None  # [B] bool, or None: every row
+
     if past.has_previous and T == 1:
         u, conv_new = causal_conv1d_step(x_branch[:, 0], past.conv, weight, conv.bias, backend=backend)  # [B, W]
         conv_new = hold_masked_rows(mask, conv_new, past.conv)  # [B, W, K-1]
-        h, rec_new = rg_lru_step(u, past.recurrent, *params, c=c, token_mask=None if mask is None else mask[:, 0])
+        h, rec_new = rg_lru_step(
+            u, past.recurrent, *params, c=c, token_mask=None if mask is None else mask[:, 0], started=started
+        )
         h = h[:, None]  # [B, 1, W]
     else:
         want = cache is not None
@@ -149,12 +177,13 @@ def rg_lru_block_forward(
         u, conv_new = out if want else (out, None)  # [B, T, W], [B, W, K-1]
         out = rg_lru(
             u, *params, c=c, seq_idx=layout.seq_idx, initial_state=past.recurrent, token_mask=mask,
-            return_final_state=want,
+            return_final_state=want, started=started,
         )
         h, rec_new = out if want else (out, None)  # [B, T, W], [B, W] float32
     if cache is not None:
         conv_new = conv_new.to(x_branch.dtype)
         write_states(cache, idx, tokens=T, conv=conv_new, recurrent=rec_new)
+        _mark_started(cache, idx, started, mask, B, input_states.device)
         self.conv1d_state, lru.recurrent_states = conv_new, rec_new  # the module storage mirrors the cache
     elif not use_cache:
         self.conv1d_state, lru.recurrent_states = None, None  # as the stock block

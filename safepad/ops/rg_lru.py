@@ -160,6 +160,7 @@ def rg_lru(
     token_mask: Tensor | None = None,
     return_final_state: bool = False,
     chunk_size: int = _CHUNK,
+    started: Tensor | None = None,
 ):
     """The RG-LRU over ``x [B, T, W]`` -> ``y [B, T, W]`` (x's dtype) [, ``final_state [B, W]`` float32].
 
@@ -174,6 +175,8 @@ def rg_lru(
             held state and means nothing). A NaN at a masked token goes nowhere.
         return_final_state: also return each row's state after its last real token ``[B, W]`` float32.
         chunk_size: tokens per doubling-scan chunk (a power of two).
+        started: ``[B]`` bool, with ``initial_state``: whether the row's state has read a real token. A row that
+            has not (a row of pads only so far) starts its first sequence from a reset, as a row without a state.
     """
     if not isinstance(x, Tensor) or x.dim() != 3:
         raise ValueError(f"x must have shape [batch, seqlen, width], got {getattr(x, 'shape', type(x).__name__)}")
@@ -216,7 +219,12 @@ def rg_lru(
     before = cum - real.long()  # real tokens strictly before t in the row
     start_before = torch.cummax(torch.where(seg_start, before, torch.zeros_like(before)), dim=1).values
     first_real = real & (before == start_before)  # [B, T]
-    reset = first_real if initial_state is None else first_real & (seg_no > 0)
+    if initial_state is None:
+        reset = first_real
+    elif started is None:
+        reset = first_real & (seg_no > 0)
+    else:  # a row whose state has read no real token yet: its first real token is a reset too
+        reset = first_real & ((seg_no > 0) | ~started.to(device=dev, dtype=torch.bool)[:, None])
     b = torch.where(reset.unsqueeze(-1), gated, gated * mult)  # [B, T, W]
     b = torch.where(real.unsqueeze(-1), b, 0.0)
     a = torch.where(real.unsqueeze(-1), a, 1.0)
@@ -242,10 +250,13 @@ def rg_lru_step(
     *,
     c: float = 8.0,
     token_mask: Tensor | None = None,
+    started: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One decode token: ``x [B, W]``, ``state [B, W]`` -> ``(y [B, W]`` x's dtype, ``new_state [B, W])``.
 
     ``token_mask`` ``[B]`` bool (True = real): a masked row keeps its state (its ``y`` means nothing).
+    ``started`` ``[B]`` bool: whether the row's state has read a real token; a row that has not starts from a reset
+    (``h = i * x``, as the row's first token alone).
     """
     if not isinstance(x, Tensor) or x.dim() != 2:
         raise ValueError(f"x must have shape [batch, width], got {getattr(x, 'shape', type(x).__name__)}")
@@ -263,6 +274,8 @@ def rg_lru_step(
                                  recurrent_param)]
     gated, a, mult = rg_lru_gates(xc, *params, c=c)  # [B, W] each
     new = a * state.to(ct) + gated * mult
+    if started is not None:
+        new = torch.where(started.to(device=new.device, dtype=torch.bool)[:, None], new, gated)
     if keep is not None:
         new = torch.where(keep, new, state.to(ct))
     return new.to(x.dtype), new.to(state.dtype)

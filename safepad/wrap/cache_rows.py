@@ -125,6 +125,7 @@ def _move_layer(layer: Any, op: str, arg: Any, rows: torch.Tensor) -> None:
     own = getattr(type(layer), op, None)
     if op == "reorder_cache" or not states:
         getattr(layer, op)(arg)  # stock's: moves everything it holds (or raises as stock does)
+        _move_started(layer, rows)
         return
     if _static(layer):
         raise ValueError(
@@ -139,28 +140,41 @@ def _move_layer(layer: Any, op: str, arg: Any, rows: torch.Tensor) -> None:
         if isinstance(held, dict):
             for i, t in list(held.items()):
                 held[i] = _take(t, rows)
+    _move_started(layer, rows)
+
+
+def _move_started(layer: Any, rows: torch.Tensor) -> None:
+    """The RG-LRU's per-row "has read a real token" flags ``[B]`` on ``layer`` follow its rows."""
+    from ..mixers.rg_lru import STARTED_ATTR
+
+    started = getattr(layer, STARTED_ATTR, None)
+    if isinstance(started, torch.Tensor):
+        setattr(layer, STARTED_ATTR, started.index_select(0, rows.to(started.device)))  # [B'] bool
 
 
 def _bookkeeping_names() -> tuple[str, ...]:
     """The attributes of safepad's per-row facts kept on a cache (each written where its call happens)."""
     from ..cache import _RECORD_ATTR
     from .generate import _ROPE_DELTAS_ATTR
+    from .mask_history import MASK_ATTR
     from .slot_record import _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR
 
-    return (_PADS_ATTR, _SHIFT_ATTR, _ROPE_DELTAS_ATTR, _RECORD_ATTR, _PADDED_FLAG, _RELAID_FLAG)
+    return (_PADS_ATTR, _SHIFT_ATTR, _ROPE_DELTAS_ATTR, _RECORD_ATTR, _PADDED_FLAG, _RELAID_FLAG, MASK_ATTR)
 
 
 def _move_bookkeeping(cache: Any, rows: torch.Tensor, batch: int) -> None:
     """safepad's per-row facts kept on ``cache`` follow its rows: the pad slots of a decode step ``[B]``, the
     position shift of a generate call ``[K, B, 1]``, the rope deltas of a generate ``[B, 1]`` (or one per prompt),
-    and the ids a generate read ``[B, n]``."""
+    the ids a generate read ``[B, n]``, and the mask columns the cache has read ``[B, L]``."""
     from ..cache import _RECORD_ATTR, _state_versions
     from .generate import _ROPE_DELTAS_ATTR
+    from .mask_history import MASK_ATTR
     from .slot_record import _PADS_ATTR, _SHIFT_ATTR, _GenerateShift
 
     d = cache.__dict__
-    if isinstance(d.get(_PADS_ATTR), torch.Tensor):
-        d[_PADS_ATTR] = _take(d[_PADS_ATTR], rows)
+    for name in (_PADS_ATTR, MASK_ATTR):
+        if isinstance(d.get(name), torch.Tensor):
+            d[name] = _take(d[name], rows)
     shift = d.get(_SHIFT_ATTR)
     if isinstance(shift, _GenerateShift):
         d[_SHIFT_ATTR] = _GenerateShift(shift.frame, _take(shift.shift, rows, dim=1))

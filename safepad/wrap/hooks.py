@@ -50,6 +50,7 @@ from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
+from .mask_history import check_mask_history, forget_mask_history
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs, mask_checked_by_generate
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
@@ -177,8 +178,9 @@ class _ModelPreHook:
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
             forget_read(cache)  # a forward outside generate: generate's record of it is stale
+            past = _follow_mask_history(module, plan, args, kwargs, T)  # (the cache's length, read once per call)
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
-            args, kwargs = slot_justify(module, plan, args, kwargs, B, T)
+            args, kwargs = slot_justify(module, plan, args, kwargs, B, T, past)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
             record = module._safepad.slot_calls[-1]
             token_mask = record.call.token_mask if record is not None and record.call is not None else None
@@ -226,6 +228,8 @@ class _ModelPreHook:
                 "position_ids restart at 0 inside a row next to an attention_mask: under torch.compile give packed "
                 "rows seq_idx / cu_seq_lens_q, or no mask (docs/limits.md, check D2)",
             )
+        if not traced and plan.hybrid:
+            _check_attention_segments(module, kwargs, seq_idx, mask[:, -T:] if padding else None, (B, T))
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
             _traced_cache_positions(module, plan, args, kwargs, T, _two_d_mask(kwargs.get("attention_mask")), ids)
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]: a pad step token
@@ -374,6 +378,73 @@ def _traced_refuse_slot_holes(module: nn.Module, plan: ModelPlan, T: int, mask, 
         f"{type(module).__name__} under torch.compile: attention_mask has a pad between real tokens, which a traced "
         "call cannot re-lay; pad each row on one side, or call eagerly (docs/limits.md, check D4)",
     )
+
+
+def _check_attention_segments(module: nn.Module, kwargs: dict, seq_idx, real, shape: tuple[int, int]) -> None:
+    """An eager call of a hybrid whose attention mask transformers will build from ``position_ids`` (no mask, no
+    cache reaches the model: ``masking_utils.find_packed_sequence_indices``, a new sequence wherever a position is not
+    the previous one plus 1) must read the same sequences as the recurrent layers (``seq_idx`` ``[B, T]``, None: one
+    per row; a new one at each 0 after a row's first real token, or the given boundaries). Where the two readings
+    differ at real tokens (``real`` ``[B, T]`` bool, None: every token), e.g. positions ``[-1, 0, 1]`` (attention: one
+    sequence; recurrent layers: two) or ``[0, 1, 5, 6]`` (the reverse), the result would match neither: raise
+    naming the row, the column and the fix. One host read, only for such calls."""
+    pos = kwargs.get("position_ids")
+    if kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2:
+        return
+    B, T = shape
+    if T < 2 or pos.shape[1] != T or pos.shape[0] not in (1, B):
+        return
+    cache = cache_from_kwargs(kwargs)[1]
+    if cache is not None or _cache_wanted(module, cache, kwargs.get("use_cache"))[1]:
+        return  # a cache reaches create_causal_mask: transformers reads no packing from the positions
+    pos = pos.expand(B, T)
+    attention = (pos[:, 1:] - pos[:, :-1]) != 1  # [B, T - 1]: a new sequence at column t + 1 (transformers)
+    if seq_idx is None:
+        recurrent = torch.zeros_like(attention)
+    else:
+        s = seq_idx.to(pos.device)
+        recurrent = s[:, 1:] != s[:, :-1]
+    differ = attention != recurrent
+    if real is not None:
+        r = real.to(device=pos.device, dtype=torch.bool)
+        differ &= r[:, 1:] & r[:, :-1]
+    if not bool(differ.any()):
+        return
+    row, col = (int(i) for i in differ.nonzero()[0])
+    was, now = int(pos[row, col]), int(pos[row, col + 1])
+    reading = "a new sequence" if bool(recurrent[row, col]) else "the same sequence"
+    raise ValueError(
+        f"{type(module).__name__}: position_ids[{row}] go from {was} to {now} at column {col + 1}, which safepad's "
+        f"recurrent layers read as {reading} (a new sequence starts at each 0 after a row's first real token, or at "
+        "the given seq_idx / cu_seq_lens boundaries) but this hybrid's attention layers read otherwise (transformers "
+        "starts a new sequence wherever a position is not the previous one plus 1): the result would match neither "
+        "reading. Give each sequence positions 0, 1, 2, ... (restarting at 0 at each new sequence), or pass "
+        "seq_idx / cu_seq_lens_q with such position_ids (or none; safepad derives them)."
+    )
+
+
+def _follow_mask_history(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, T: int) -> int | None:
+    """An eager cached call's 2-D mask must keep the columns its cache has read (:mod:`safepad.wrap.mask_history`):
+    checked on the host for a chunk, on the device for a one-token step outside ``generate``; inside the model's
+    wrapped ``generate`` (whose masks never edit history) the record is dropped instead. Returns the tokens the
+    cache holds when it read them (``slot_justify`` reuses it: on some caches the length is a tensor, a host read),
+    else None."""
+    params = plan.params
+    named = dict(zip(params, args))
+    named.update(kwargs)
+    cache = next((c for n in CACHE_NAMES if (c := named.get(n)) is not None), None)
+    if cache is None or named.get("use_cache") is False:
+        return None
+    if mask_checked_by_generate(module):
+        forget_mask_history(cache)
+        return None
+    try:
+        past = _past_length(cache)
+    except ValueError:  # a cache with attention layers that cannot tell its length: the model's forward raises
+        return None
+    mask = _two_d_mask(named.get("attention_mask"))
+    check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1)
+    return past
 
 
 def _two_d_mask(mask):

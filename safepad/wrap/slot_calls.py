@@ -61,15 +61,20 @@ def _decode_step(
     return (), named
 
 
-def slot_justify(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int):
-    """Keep the slot-justified cache layout (``safepad.layout.slots``) for this call; returns ``(args, kwargs)``."""
+def slot_justify(
+    module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int | None = None
+):
+    """Keep the slot-justified cache layout (``safepad.layout.slots``) for this call; returns ``(args, kwargs)``.
+
+    ``past_len``: the tokens the call's cache holds when the caller read it already (else read here)."""
     params = plan.params
     if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
         return args, kwargs  # packed rows: the packed policy applies (no cache)
     cache = next((c for n in CACHE_NAMES if (c := _arg(args, kwargs, params, n)) is not None), None)
     explicit, wanted, read = _cache_wanted(module, cache, _arg(args, kwargs, params, "use_cache"))
     mask = _arg(args, kwargs, params, "attention_mask")
-    past_len = _past_length(cache)
+    if past_len is None:
+        past_len = _past_length(cache)
     if past_len == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > T and _uncounted(cache):
         # a recurrent-only cache nobody counts (Mamba, Mamba2, FalconMamba keep the stock cache class): its states
         # do not depend on where the cached tokens sat, so the full-length mask is read on its last T columns

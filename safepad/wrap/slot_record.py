@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["SlotRecord", "slot_restore"]
 
 _PACKED_NAMES = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
+#: the keyword arguments a causal-LM forward hands to its ``loss_function`` beside ``labels`` (``ForCausalLMLoss``)
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 #: marks a cache whose rows hold pads (in the justified layout): a later call must pass the full attention mask
 _PADDED_FLAG = "_safepad_padded_slots"
 #: marks a cache whose rows an eager call re-laid (pads moved, or a decode step's device re-lay): its later calls
@@ -124,7 +126,10 @@ def _take_labels(module: nn.Module, named: dict, record: SlotRecord, T: int) -> 
             "labels and compute the loss from the kept logits."
         )
     record.labels = named.pop("labels")
-    record.loss_kwargs = {k: named[k] for k in ("num_items_in_batch",) if named.get(k) is not None}
+    # the loss's own arguments go with the labels (the post-hook scores the caller's order): shift_labels ([B, T],
+    # the pre-shifted targets context-parallel training passes, which the loss reads instead of shifting labels)
+    # would otherwise be re-laid with the inputs and reach a forward that computes no loss
+    record.loss_kwargs = {k: named.pop(k) for k in _LOSS_KWARGS if named.get(k) is not None}
 
 
 def _reorder_inputs(call: SlotJustifiedCall, named: dict, B: int, T: int, skip: tuple[str, ...]) -> None:

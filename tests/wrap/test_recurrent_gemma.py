@@ -326,3 +326,49 @@ def test_a_continuation_without_the_cache_raises_naming_it(models, split, side):
         n_before = int(mask[r, :split].sum())
         if bool(m.any()):  # (a right-padded row may bring only pads)
             assert (got[r][m] - alone[n_before : n_before + int(m.sum())]).abs().max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def window4():
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        stock = tiny_model("recurrent_gemma", attention_window_size=4)
+        yield stock, wrap(copy.deepcopy(stock), backend="torch")
+    finally:
+        log.setLevel(level)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("positions", [pytest.param(False, id="no-pos"), pytest.param(True, id="pos")])
+@pytest.mark.parametrize("select", [pytest.param(False, id="kept"), pytest.param(True, id="rows-selected")])
+def test_a_row_of_pads_only_then_decode_equals_the_row_alone(window4, positions, select):
+    """A first cached call where one row is all pads: the row's state has read no real token, so its first real
+    token (a later chunk or step) must start from a reset, as the row alone (the RG-LRU's ``h = i * x``); it
+    continued the empty state instead (``h = sqrt(1 - a^2) i x``: 0.50 relative off the row alone, window 4 or
+    not). Then a chunk of 2 and two steps; with ``select`` the cache's rows are reordered first (the per-row fact
+    follows them). Each row against its real tokens alone through the stock model, without a cache."""
+    stock, wrapped = window4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 250, (3, 6), generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1]])
+    cache = _fresh_cache(wrapped)
+    kw = {"position_ids": (mask.cumsum(1) - 1).clamp(min=0)} if positions else {}
+    outs = [wrapped(input_ids=ids, attention_mask=mask, use_cache=True, **kw, **_cache_kw(wrapped, cache)).logits]
+    if select:
+        order = torch.tensor([1, 2, 0])  # the row of pads moves to row 0
+        cache.batch_select_indices(order)
+        ids, mask, outs = ids[order], mask[order], [outs[0][order]]
+    seen = [ids[b][mask[b].bool()] for b in range(3)]
+    for T in (2, 1, 1):
+        new = torch.randint(3, 250, (3, T), generator=g)
+        kw = {"position_ids": mask.sum(1, keepdim=True) + torch.arange(T)} if positions else {}
+        mask = torch.cat([mask, torch.ones(3, T, dtype=torch.long)], 1)
+        outs.append(wrapped(input_ids=new, attention_mask=mask, use_cache=True, **kw, **_cache_kw(wrapped, cache)).logits)
+        seen = [torch.cat([s, new[b]]) for b, s in enumerate(seen)]
+    got = torch.cat(outs, 1)  # [3, 10, V]
+    for b in range(3):
+        alone = stock(input_ids=seen[b][None], use_cache=False).logits[0]
+        row = got[b][mask[b].bool()]
+        assert (row - alone).abs().max() <= 1e-4 * alone.abs().max(), b
