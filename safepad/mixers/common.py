@@ -244,18 +244,25 @@ def _same_math(norm: torch.nn.Module) -> bool:
     return _FUSABLE[cls]
 
 
-def probe_gated_norm(module: torch.nn.Module, stock_class: str | None) -> None:
+def _names(stock_class: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if stock_class is None else (stock_class,) if isinstance(stock_class, str) else tuple(stock_class)
+
+
+def probe_gated_norm(module: torch.nn.Module, stock_class: str | tuple[str, ...] | None) -> None:
     """Run the once-per-class numeric check of ``module.norm`` now (at wrap time), outside any compiled region."""
     norm = getattr(module, "norm", None)
-    if stock_class is not None and norm is not None and type(norm).__name__ == stock_class:
+    if norm is not None and type(norm).__name__ in _names(stock_class):
         _same_math(norm)
 
 
-def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor, stock_class: str | None) -> Tensor:
+def gated_norm(
+    norm: torch.nn.Module, y: Tensor, gate: Tensor, stock_class: str | tuple[str, ...] | None
+) -> Tensor:
     """The mixer's gated norm ``norm(y, gate)``, ``[B, T, I]`` each.
 
     ``stock_class`` is the transformers class whose forward is :func:`~safepad.ops.norm.gated_rms_norm`, as
-    the family's spec declares it (``options["gated_norm"]``; None: always call the module). An unmodified
+    the family's spec declares it (``options["gated_norm"]``: a class name, or the names it has had across
+    releases; None: always call the module). An unmodified
     norm of that class (exact class, no hooks, no per-instance ``forward``, and checked once per class to
     compute the same math) runs as the blocked op (several times fewer memory passes); anything else (a
     subclass, a PEFT wrapper, a module with hooks or with accelerate's replaced ``forward``) is called as the
@@ -263,8 +270,7 @@ def gated_norm(norm: torch.nn.Module, y: Tensor, gate: Tensor, stock_class: str 
     """
     cls = type(norm)
     if (
-        stock_class is not None
-        and cls.__name__ == stock_class
+        cls.__name__ in _names(stock_class)
         and cls.__module__.startswith("transformers.")
         and "forward" not in vars(norm)  # accelerate's device/offload hooks replace the instance's forward
         and not _has_hooks(norm)

@@ -82,13 +82,36 @@ def _file_stateful_classes(path: str) -> frozenset[str]:
     if not (_STATE_CALL.search(text) or _STATE_ATTR.search(text)):
         return frozenset()
     lines = text.splitlines()
+    tree = ast.parse(text)
+
+    def body(node: ast.AST) -> str:
+        return "\n".join(lines[node.lineno - 1 : node.end_lineno])
+
+    # module-level functions that touch the state, directly or through another such function (transformers 5.25
+    # moved the cache calls out of the mixers into functions such as ``causal_conv1d_forward`` / ``mamba2_chunk_scan``)
+    functions = {n.name: body(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    stateful = {name for name, b in functions.items() if _STATE_CALL.search(b) or _STATE_ATTR.search(b)}
+    while True:
+        calls = _calls_any(stateful)
+        grown = {name for name, b in functions.items() if name not in stateful and calls and calls.search(b)}
+        if not grown:
+            break
+        stateful |= grown
+    calls = _calls_any(stateful)
     names = set()
-    for node in ast.walk(ast.parse(text)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
-            body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
-            if _STATE_CALL.search(body) or _STATE_ATTR.search(body):
+            b = body(node)
+            if _STATE_CALL.search(b) or _STATE_ATTR.search(b) or (calls is not None and calls.search(b)):
                 names.add(node.name)
     return frozenset(names)
+
+
+def _calls_any(names: set[str]) -> re.Pattern | None:
+    """A pattern matching a call of any of ``names`` as a plain name (not an attribute: ``x.name(`` is not it)."""
+    if not names:
+        return None
+    return re.compile(r"(?<![\w.])(?:" + "|".join(map(re.escape, sorted(names))) + r")\s*\(")
 
 
 def class_keeps_state(cls: type) -> bool:

@@ -32,7 +32,10 @@ MAMBA2_FAMILY = tuple(
             options={"gated_norm": "NemotronHRMSNormGated"},
             description="dt limit hard-coded to (time_step_min, inf)",
         ),
-        _spec("mamba2", "Mamba2Mixer", hybrid=False, options={"gated_norm": "MambaRMSNormGated"}),
+        _spec(
+            "mamba2", "Mamba2Mixer", hybrid=False,
+            options={"gated_norm": ("MambaRMSNormGated", "Mamba2RMSNormGated")},  # renamed in transformers 5.25
+        ),
         _spec("bamba", "BambaMixer", hybrid=True, options={"gated_norm": "BambaRMSNormGated"}),
         _spec(
             "falcon_h1",

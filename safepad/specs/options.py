@@ -40,7 +40,9 @@ MODEL_OPTIONS: Mapping[str, Option] = MappingProxyType(
         "accelerate_children": Option(_NAMES, "children whose weights the forward reads directly (accelerate hooks)"),
         "accelerate_children_by_class": Option((Mapping,), "accelerate_children per mixer class name"),
         "layer_idx_from_name": Option(_BOOL, "the stock module keeps no layer index: take it from its module name"),
-        "gated_norm": Option(_OPT_STR, "transformers class of the gated norm the blocked op may replace"),
+        "gated_norm": Option(
+            (*_OPT_STR, tuple), "transformers class (or the names it has had) of the gated norm the blocked op may replace"
+        ),
         "slot_check": Option((Callable,), "check(module, layout [B, N] bool) refusing slot layouts it cannot serve"),
         "slot_distances": Option(_BOOL, "attention reads slot distances: re-lay uncached calls with holes"),
         "text_position_rows": Option(_NAMES, "position_ids row counts whose text row restarts on packed calls"),

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
+
+# renamed in transformers 5.25
+MambaRMSNormGated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
 
 import safepad.ops.norm as norm_mod
