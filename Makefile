@@ -12,14 +12,17 @@
 #   .venv         newest end: constraints/newest.txt (transformers 5.25.0, accelerate 1.16.0), what
 #                 `pip install safepad` gives today; `make demo` and `make bench` use it
 #   .venv-oldest  oldest supported pins: constraints/tested.txt (transformers 5.23.0)
-#   .venv-floor   every dependency floor of pyproject.toml: constraints/floor.txt (a subset of the suite)
+#   .venv-floor   every dependency floor of pyproject.toml but torch's: constraints/floor.txt (a subset of the suite)
 #   .venv-torch-newest  the newest torch pyproject allows (2.15.0, a ~3 GB CUDA build from the registry that
 #                 runs on CPU): constraints/torch-newest.txt + newest.txt (a subset of the suite)
+#   .venv-torch-floor   the oldest torch pyproject allows (2.11.0, what CUDA 13.0 GPU images ship; a ~3 GB CUDA
+#                 build too): constraints/torch-floor.txt + newest.txt (the same subset)
 #   test-wheel    builds the wheel, installs it into a fresh venv (not editable) with what pip resolves for a user
 #                 (no constraints; torch is TORCH_SPEC's CPU build) and runs `safepad audit` from outside the repository
 #   .venv-latest  (`make test-latest`, not in `make test`) the newest releases, unpinned
 # `make test` runs every tier in TEST_TARGETS, one after the other (each venv: ~70 s set-up once; the kernel
-# venv builds mamba-ssm / causal-conv1d from source, a few minutes; the torch-newest venv downloads ~3 GB).
+# venv builds mamba-ssm / causal-conv1d from source, a few minutes; the torch-newest and torch-floor venvs each
+# download ~3 GB and take ~5.3 GB of disk).
 #
 # The CPU build of torch is installed before the package so that pip never pulls
 # a multi-GB CUDA build.  Override it for your own machine, e.g.
@@ -35,9 +38,9 @@ PYTEST_ARGS ?=
 BIN         := $(VENV)/bin
 BIN_OLDEST  := $(VENV_OLDEST)/bin
 # the targets `make test` runs: the suite at both ends, then the kernel-route tier
-TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel
+TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-torch-floor test-wheel
 # Each tier runs what its versions can change (the suite at the newest end runs everything):
-# - the newest-torch tier (torch 2.15; the others run 2.13): ops, the Mamba2 / Mamba1 / GDN wrap tests, collators,
+# - the newest-torch and oldest-torch tiers (torch 2.15 and 2.11; the others run 2.13): ops, the Mamba2 / Mamba1 / GDN wrap tests, collators,
 #   the Trainer callback, compile
 SUBSET_TESTS ?= tests/ops tests/wrap/test_mamba2_family.py tests/wrap/test_mamba1_family.py \
 	tests/wrap/test_gdn_family.py tests/collators/test_collator.py \
@@ -56,7 +59,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # out of disk installing that tier (its free space varies). Nothing here re-downloads often enough to need it.
 export PIP_NO_CACHE_DIR=1
 
-.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel test-latest demo bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-torch-floor test-wheel test-latest demo bench fuzz clean
 
 # $(1): venv directory, $(2): constraints file
 define make_venv
@@ -133,6 +136,19 @@ $(TNVENV)/.installed: pyproject.toml constraints/torch-newest.txt $(NEWEST)
 test-torch-newest: $(TNVENV)/.installed
 	@echo "== newest torch: $$($(TNVENV)/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 	$(TNVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(SUBSET_TESTS)
+
+# The oldest torch, same pattern: torch 2.11.0 (CUDA 13.0 GPU images ship 2.11.0+cu130) with the newest end's other
+# pins, what `pip install safepad` gives on such an image. PyPI serves its CUDA build for x86_64 (it runs on CPU).
+TFVENV ?= .venv-torch-floor
+$(TFVENV)/.installed: pyproject.toml constraints/torch-floor.txt $(NEWEST)
+	$(PYTHON) -m venv $(TFVENV)
+	PIP_CONSTRAINT=/dev/null $(TFVENV)/bin/pip install -q $$(grep -E '^torch==' constraints/torch-floor.txt)
+	PIP_CONSTRAINT=/dev/null $(TFVENV)/bin/pip install -q -e ".[dev]" -c $(NEWEST) -c constraints/torch-floor.txt
+	@touch $@
+
+test-torch-floor: $(TFVENV)/.installed
+	@echo "== oldest torch: $$($(TFVENV)/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+	$(TFVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(SUBSET_TESTS)
 
 # The installed wheel: built from this checkout, installed into a fresh venv (not editable) the way a user installs
 # it, with no constraints file, so pip resolves every dependency inside pyproject.toml's bounds (today's newest
@@ -211,4 +227,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_rl.py
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) $(LVENV) build .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) $(TFVENV) $(LVENV) build .pytest_cache .hypothesis *.egg-info

@@ -113,22 +113,22 @@ def test_the_running_transformers_is_inside_the_range(strict):
     assert check_transformers_version(transformers.__version__), transformers.__version__
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.14.1", "2.15.0", "2.15.0+cpu", "2.13.0+cu130"])
+@pytest.mark.parametrize("version", ["2.11.0", "2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1", "2.15.0"])
 def test_tested_torch_range_is_silent(version, strict):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_torch_version(version)
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.11.0+cu130", "2.16.0", "2.16.0.dev20260101", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.10.0", "2.10.0+cu128", "2.16.0", "2.16.0.dev20260101", "3.0.0"])
 def test_torch_outside_the_range_refuses(version, strict):
-    with pytest.raises(UntestedVersionError, match=r"safepad is tested with torch >= 2\.13\.0, < 2\.16\.0") as info:
+    with pytest.raises(UntestedVersionError, match=r"safepad is tested with torch >= 2\.11\.0, < 2\.16\.0") as info:
         check_torch_version(version)
-    assert "pip install 'torch>=2.13,<2.16'" in str(info.value)
+    assert "pip install 'torch>=2.11,<2.16'" in str(info.value)
 
 
 def test_torch_outside_the_range_warns_under_the_override(allowed):
-    with pytest.warns(UserWarning, match=r"safepad is tested with torch >= 2\.13\.0, < 2\.16\.0"):
+    with pytest.warns(UserWarning, match=r"safepad is tested with torch >= 2\.11\.0, < 2\.16\.0"):
         assert not check_torch_version("2.16.0")
 
 
@@ -205,12 +205,13 @@ def test_the_newest_tiers_pin_the_newest_tested_minor_below_each_cap():
         )
 
 
-def test_the_floor_tier_pins_every_runtime_floor():
-    floor = ALL_PINS["floor.txt"]
+def test_the_floor_tiers_pin_every_runtime_floor():
+    """constraints/floor.txt pins every floor but torch's, which constraints/torch-floor.txt pins (a CUDA build)."""
+    floor = {**ALL_PINS["floor.txt"], **ALL_PINS["torch-floor.txt"]}
     for name, req in _requirements().items():
         lo, _ = _bounds(req)
         assert name in floor, f"constraints/floor.txt pins no {name}"
-        assert Version(floor[name]) == lo, f"{name}: pyproject.toml's floor is {lo}, the floor tier runs {floor[name]}"
+        assert Version(floor[name]) == lo, f"{name}: pyproject.toml's floor is {lo}, the floor tiers run {floor[name]}"
 
 
 def test_the_newest_end_is_the_compat_ranges_newest_minor():
