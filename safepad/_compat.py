@@ -18,6 +18,8 @@ import os
 import re
 import warnings
 
+from .errors import UntestedVersionError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -44,10 +46,6 @@ TESTED_TORCH = ("2.11.0", "2.16.0")
 
 #: the environment variable that turns the refusal outside the tested ranges into a warning
 ALLOW_UNTESTED_ENV = "SAFEPAD_ALLOW_UNTESTED"
-
-
-class UntestedVersionError(ImportError):
-    """``import safepad`` found a transformers or torch release outside the range CI tests."""
 
 
 def allow_untested() -> bool:

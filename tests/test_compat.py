@@ -94,6 +94,12 @@ def test_outside_the_range_refuses_with_the_fix(version, strict):
     assert isinstance(info.value, ImportError)
 
 
+def test_the_error_is_public():
+    import safepad
+
+    assert safepad.UntestedVersionError is UntestedVersionError and "UntestedVersionError" in safepad.__all__
+
+
 @pytest.mark.parametrize("version", ["5.22.9", "5.26.0", "6.0.0"])
 def test_the_override_warns_instead(version, allowed):
     with pytest.warns(UserWarning, match=r"safepad is tested with transformers >= 5\.23\.0, < 5\.26\.0"):
