@@ -40,8 +40,8 @@ BIN_OLDEST  := $(VENV_OLDEST)/bin
 # the targets `make test` runs: the suite at both ends, then the kernel-route tier
 TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-torch-floor test-wheel
 # Each tier runs what its versions can change (the suite at the newest end runs everything):
-# - the newest-torch and oldest-torch tiers (torch 2.15 and 2.11; the others run 2.13): ops, the Mamba2 / Mamba1 / GDN wrap tests, collators,
-#   the Trainer callback, compile
+# - the newest-torch and oldest-torch tiers (torch 2.15 and 2.11; the others run 2.13): ops, the Mamba2 / Mamba1 /
+#   GDN wrap tests, collators, the Trainer callback, compile
 SUBSET_TESTS ?= tests/ops tests/wrap/test_mamba2_family.py tests/wrap/test_mamba1_family.py \
 	tests/wrap/test_gdn_family.py tests/collators/test_collator.py \
 	tests/collators/test_packing.py tests/collators/test_trainer.py tests/trainer_ext/test_padding_guard_callback.py \
@@ -173,8 +173,8 @@ test-wheel: setup
 # runs `safepad audit` on every supported family's tiny model (all of them, then fails naming those that failed),
 # the transformers contract tier (tests/contract) and the fuzzer's fixed-seed tier (tests/fuzz).
 # torch: on x86_64 the registry's newest torch is its ~3 GB CUDA build (and PyTorch's CPU index is not reachable
-# from every CI machine), so by default this tier keeps TORCH_SPEC's CPU build (torch 2.13.0, the floor) and tries
-# the newest of everything else. LATEST_TORCH=1 installs the newest torch the registry serves (the ~3 GB
+# from every CI machine), so by default this tier keeps TORCH_SPEC's CPU build (torch 2.13.0, the one most tiers
+# run) and tries the newest of everything else. LATEST_TORCH=1 installs the newest torch the registry serves (the ~3 GB
 # download of test-torch-newest); where download.pytorch.org is reachable,
 #   make test-latest LATEST_TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
 # gets the newest torch's CPU build instead.
@@ -184,6 +184,9 @@ LATEST_TORCH      ?=
 LATEST_TORCH_SPEC ?= $(if $(LATEST_TORCH),torch,$(TORCH_SPEC))
 LATEST_PACKAGES   ?= transformers accelerate trl datasets peft
 LATEST_TESTS      ?= tests/contract tests/fuzz
+# every tiny family (safepad.testing.tiny: the 31 distinct models; the model-type aliases build the same ones), or
+# LATEST_FAMILIES="jamba qwen3_next" for a quick look
+LATEST_FAMILIES   ?=
 # $(call versions,VENV): the resolved versions of the packages the policy is about, on one line
 versions = $(1)/bin/pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|accelerate|trl|datasets|peft|numpy)==' | paste -sd' '
 test-latest: export PIP_CONSTRAINT := /dev/null
@@ -195,7 +198,7 @@ test-latest:
 	$(LVENV)/bin/pip install -q $(LATEST_PACKAGES) numpy rich pytest pytest-xdist hypothesis mambapy matplotlib
 	$(LVENV)/bin/pip install -q --no-deps -e .
 	@echo "== latest releases, unpinned: $$($(call versions,$(LVENV)))"
-	@failed=""; for f in $$($(LVENV)/bin/python -c 'from safepad.testing.tiny import FAMILIES, EXTRA_FAMILIES, NEW_FAMILIES; print(*FAMILIES, *EXTRA_FAMILIES, *NEW_FAMILIES)'); do \
+	@failed=""; for f in $(or $(LATEST_FAMILIES),$$($(LVENV)/bin/python -c 'from safepad.testing.tiny import FAMILIES, EXTRA_FAMILIES, NEW_FAMILIES; print(*FAMILIES, *EXTRA_FAMILIES, *NEW_FAMILIES)')); do \
 		echo "== safepad audit --family $$f"; \
 		$(LVENV)/bin/safepad audit --no-progress --family $$f || failed="$$failed $$f"; \
 	done; \

@@ -144,7 +144,9 @@ def test_the_running_torch_is_inside_the_range(strict):
     assert check_torch_version(torch.__version__), torch.__version__
 
 
-_IMPORT_WITH_TRANSFORMERS_6 = "import transformers; transformers.__version__ = '6.0.0'; import safepad; print('IMPORTED')"
+_IMPORT_WITH_TRANSFORMERS_6 = (
+    "import transformers; transformers.__version__ = '6.0.0'; import safepad; print('IMPORTED')"
+)
 
 
 def _run(env_value: str | None) -> subprocess.CompletedProcess:
