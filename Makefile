@@ -1,16 +1,28 @@
 # safepad: `make test` and `make demo` each do the whole set-up first.
 #
+# Run `make test-latest` first in every session: it installs the newest releases the registry serves, unpinned,
+# and a failure there is the first thing to fix (it is what users get as soon as a bound moves, and what tells
+# when a bound can move). It is not in `make test`: its versions move with the registry.
+#
+# Version policy (pyproject.toml's comment): every bound in pyproject.toml is a version some tier runs; the upper
+# bounds of torch / transformers / accelerate are the minor after the newest tested one, and `import safepad`
+# refuses a torch / transformers outside them (safepad/_compat.py; SAFEPAD_ALLOW_UNTESTED=1 overrides).
+#
 # Version matrix: the suite runs at both ends of what pyproject.toml allows.
-#   .venv         newest end: constraints/newest.txt (transformers 5.24.0), what `pip install safepad` gives
-#                 today; `make demo` and `make bench` use it
+#   .venv         newest end: constraints/newest.txt (transformers 5.25.0, accelerate 1.16.0), what
+#                 `pip install safepad` gives today; `make demo` and `make bench` use it
 #   .venv-oldest  oldest supported pins: constraints/tested.txt (transformers 5.23.0)
-#   .venv-floor   every dependency floor of pyproject.toml: constraints/floor.txt (a subset of the suite)
+#   .venv-floor   every dependency floor of pyproject.toml but torch's: constraints/floor.txt (a subset of the suite)
 #   .venv-torch-newest  the newest torch pyproject allows (2.15.0, a ~3 GB CUDA build from the registry that
 #                 runs on CPU): constraints/torch-newest.txt + newest.txt (a subset of the suite)
-#   test-wheel    builds the wheel, installs it into a fresh venv (not editable) and runs `safepad audit`
-#                 from outside the repository
+#   .venv-torch-floor   the oldest torch pyproject allows (2.11.0, what CUDA 13.0 GPU images ship; a ~3 GB CUDA
+#                 build too): constraints/torch-floor.txt + newest.txt (the same subset)
+#   test-wheel    builds the wheel, installs it into a fresh venv (not editable) with what pip resolves for a user
+#                 (no constraints; torch is TORCH_SPEC's CPU build) and runs `safepad audit` from outside the repository
+#   .venv-latest  (`make test-latest`, not in `make test`) the newest releases, unpinned
 # `make test` runs every tier in TEST_TARGETS, one after the other (each venv: ~70 s set-up once; the kernel
-# venv builds mamba-ssm / causal-conv1d from source, a few minutes; the torch-newest venv downloads ~3 GB).
+# venv builds mamba-ssm / causal-conv1d from source, a few minutes; the torch-newest and torch-floor venvs each
+# download ~3 GB and take ~5.3 GB of disk).
 #
 # The CPU build of torch is installed before the package so that pip never pulls
 # a multi-GB CUDA build.  Override it for your own machine, e.g.
@@ -26,10 +38,10 @@ PYTEST_ARGS ?=
 BIN         := $(VENV)/bin
 BIN_OLDEST  := $(VENV_OLDEST)/bin
 # the targets `make test` runs: the suite at both ends, then the kernel-route tier
-TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel
+TEST_TARGETS ?= test-newest test-oldest test-kernels test-floor test-torch-newest test-torch-floor test-wheel
 # Each tier runs what its versions can change (the suite at the newest end runs everything):
-# - the newest-torch tier (torch 2.15; the others run 2.13): ops, the Mamba2 / Mamba1 / GDN wrap tests, collators,
-#   the Trainer callback, compile
+# - the newest-torch and oldest-torch tiers (torch 2.15 and 2.11; the others run 2.13): ops, the Mamba2 / Mamba1 /
+#   GDN wrap tests, collators, the Trainer callback, compile
 SUBSET_TESTS ?= tests/ops tests/wrap/test_mamba2_family.py tests/wrap/test_mamba1_family.py \
 	tests/wrap/test_gdn_family.py tests/collators/test_collator.py \
 	tests/collators/test_packing.py tests/collators/test_trainer.py tests/trainer_ext/test_padding_guard_callback.py \
@@ -47,7 +59,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # out of disk installing that tier (its free space varies). Nothing here re-downloads often enough to need it.
 export PIP_NO_CACHE_DIR=1
 
-.PHONY: test-cuda gpu-check-cpu gpu-wheels setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-wheel demo bench fuzz clean
+.PHONY: setup setup-oldest test test-newest test-oldest test-kernels test-floor test-torch-newest test-torch-floor test-wheel \
+	test-latest test-cuda gpu-check-cpu gpu-wheels demo bench fuzz clean
 
 # $(1): venv directory, $(2): constraints file
 define make_venv
@@ -125,16 +138,76 @@ test-torch-newest: $(TNVENV)/.installed
 	@echo "== newest torch: $$($(TNVENV)/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 	$(TNVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(SUBSET_TESTS)
 
-# The installed wheel: built from this checkout, installed into a fresh venv (not editable), checked for its
-# contents, then imported and audited from a directory outside the repository.
+# The oldest torch, same pattern: torch 2.11.0 (CUDA 13.0 GPU images ship 2.11.0+cu130) with the newest end's other
+# pins, what `pip install safepad` gives on such an image. PyPI serves its CUDA build for x86_64 (it runs on CPU).
+TFVENV ?= .venv-torch-floor
+$(TFVENV)/.installed: pyproject.toml constraints/torch-floor.txt $(NEWEST)
+	$(PYTHON) -m venv $(TFVENV)
+	PIP_CONSTRAINT=/dev/null $(TFVENV)/bin/pip install -q $$(grep -E '^torch==' constraints/torch-floor.txt)
+	PIP_CONSTRAINT=/dev/null $(TFVENV)/bin/pip install -q -e ".[dev]" -c $(NEWEST) -c constraints/torch-floor.txt
+	@touch $@
+
+test-torch-floor: $(TFVENV)/.installed
+	@echo "== oldest torch: $$($(TFVENV)/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+	$(TFVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(SUBSET_TESTS)
+
+# The installed wheel: built from this checkout, installed into a fresh venv (not editable) the way a user installs
+# it, with no constraints file, so pip resolves every dependency inside pyproject.toml's bounds (today's newest
+# releases there) -- except torch, which is TORCH_SPEC's CPU build installed first (the registry's newest torch
+# is a ~3 GB CUDA build; test-torch-newest runs it). Then it is checked for its contents, imported and audited
+# from a directory outside the repository.
 WHEEL_DIR ?= build/wheel
 test-wheel: setup
 	rm -rf $(WHEEL_DIR) build/wheel-venv
 	$(BIN)/pip wheel -q --no-deps -w $(WHEEL_DIR) .
 	$(PYTHON) -m venv build/wheel-venv
 	build/wheel-venv/bin/pip install -q $(TORCH_SPEC)
-	build/wheel-venv/bin/pip install -q $(WHEEL_DIR)/safepad-*.whl -c $(NEWEST)
+	build/wheel-venv/bin/pip install -q $(WHEEL_DIR)/safepad-*.whl
+	@echo "== wheel venv: $$($(call versions,build/wheel-venv))"
 	cd $$(mktemp -d) && $(CURDIR)/build/wheel-venv/bin/python $(CURDIR)/tests/packaging/check_wheel.py $(CURDIR)/$(WHEEL_DIR)
+
+# The newest releases, unpinned: a fresh .venv-latest on every run, where pip installs the newest transformers,
+# accelerate, TRL, datasets and peft the registry serves (no -c constraints, PIP_CONSTRAINT=/dev/null so that no
+# machine-wide constraints file pins them either), then safepad with --no-deps (pyproject.toml's caps would
+# otherwise hold the versions back: this tier is what tells whether a cap can move). SAFEPAD_ALLOW_UNTESTED=1 lets
+# `import safepad` through when a release is newer than the tested range. It prints the resolved versions, then
+# runs `safepad audit` on every supported family's tiny model (all of them, then fails naming those that failed),
+# the transformers contract tier (tests/contract) and the fuzzer's fixed-seed tier (tests/fuzz).
+# torch: on x86_64 the registry's newest torch is its ~3 GB CUDA build (and PyTorch's CPU index is not reachable
+# from every CI machine), so by default this tier keeps TORCH_SPEC's CPU build (torch 2.13.0, the one most tiers
+# run) and tries the newest of everything else. LATEST_TORCH=1 installs the newest torch the registry serves (the ~3 GB
+# download of test-torch-newest); where download.pytorch.org is reachable,
+#   make test-latest LATEST_TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+# gets the newest torch's CPU build instead.
+# Not in TEST_TARGETS: its versions move with the registry, so a run that passed can fail the next day.
+LVENV             ?= .venv-latest
+LATEST_TORCH      ?=
+LATEST_TORCH_SPEC ?= $(if $(LATEST_TORCH),torch,$(TORCH_SPEC))
+LATEST_PACKAGES   ?= transformers accelerate trl datasets peft
+LATEST_TESTS      ?= tests/contract tests/fuzz
+# every tiny family (safepad.testing.tiny: the 31 distinct models; the model-type aliases build the same ones), or
+# LATEST_FAMILIES="jamba qwen3_next" for a quick look
+LATEST_FAMILIES   ?=
+# $(call versions,VENV): the resolved versions of the packages the policy is about, on one line
+versions = $(1)/bin/pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|accelerate|trl|datasets|peft|numpy)==' | paste -sd' '
+test-latest: export PIP_CONSTRAINT := /dev/null
+test-latest: export SAFEPAD_ALLOW_UNTESTED := 1
+test-latest:
+	rm -rf $(LVENV)
+	$(PYTHON) -m venv $(LVENV)
+	@if [ -n "$(LATEST_TORCH_SPEC)" ]; then $(LVENV)/bin/pip install -q $(LATEST_TORCH_SPEC); fi
+	$(LVENV)/bin/pip install -q $(LATEST_PACKAGES) numpy rich pytest pytest-xdist hypothesis mambapy matplotlib
+	$(LVENV)/bin/pip install -q --no-deps -e .
+	@echo "== latest releases, unpinned: $$($(call versions,$(LVENV)))"
+	@failed=""; for f in $(or $(LATEST_FAMILIES),$$($(LVENV)/bin/python -c 'from safepad.testing.tiny import FAMILIES, EXTRA_FAMILIES, NEW_FAMILIES; print(*FAMILIES, *EXTRA_FAMILIES, *NEW_FAMILIES)')); do \
+		echo "== safepad audit --family $$f"; \
+		$(LVENV)/bin/safepad audit --no-progress --family $$f || failed="$$failed $$f"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "== safepad audit FAILED on:$$failed"; fi; \
+	$(LVENV)/bin/python -m pytest -n 2 -q -p no:cacheprovider $(LATEST_TESTS); tests=$$?; \
+	echo "== latest releases: $$($(call versions,$(LVENV)))"; \
+	if [ -n "$$failed" ]; then echo "== safepad audit FAILED on:$$failed"; fi; \
+	test -z "$$failed" && test $$tests -eq 0
 
 # The call-sequence fuzzer, open-ended: every supported family round-robin for FUZZ_MINUTES (FUZZ_FAMILIES=a,b
 # picks families); prints calls / sequences per family, skipped draws (known defects) and each failure's repro.
@@ -188,4 +261,5 @@ gpu-wheels: $(KVENV)/.installed
 	ls -la $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) build .pytest_cache .hypothesis *.egg-info .triton-cache
+	rm -rf $(VENV) $(VENV_OLDEST) $(KVENV) $(FVENV) $(TNVENV) $(TFVENV) $(LVENV) build .pytest_cache .hypothesis \
+		*.egg-info .triton-cache

@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from ._compat import check_torch_version, check_transformers_version
-from .errors import PaddingError, PaddingWarning, UnsupportedModelError
+from .errors import PaddingError, PaddingWarning, UnsupportedModelError, UntestedVersionError
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -64,6 +64,7 @@ __all__ = [
     "PaddingError",
     "PaddingWarning",
     "UnsupportedModelError",
+    "UntestedVersionError",
     "is_wrapped",
     "supported_model_types",
     "unwrap",

@@ -2,12 +2,13 @@
 
 ``PaddingWarning`` and ``PaddingError`` report a batch layout that an unwrapped state-space model would
 process silently wrong (right padding with a cache, packed rows, holes in the mask); see
-:func:`safepad.guard`. ``UnsupportedModelError`` is raised when :func:`safepad.wrap` finds nothing it can fix.
+:func:`safepad.guard`. ``UnsupportedModelError`` is raised when :func:`safepad.wrap` finds nothing it can fix. ``UntestedVersionError`` is
+raised by ``import safepad`` on a transformers / torch outside the tested range (safepad._compat).
 """
 
 from __future__ import annotations
 
-__all__ = ["PaddingError", "PaddingWarning", "UnsupportedModelError"]
+__all__ = ["PaddingError", "PaddingWarning", "UnsupportedModelError", "UntestedVersionError"]
 
 
 class PaddingWarning(UserWarning):
@@ -35,3 +36,11 @@ class PaddingError(ValueError):
 
 class UnsupportedModelError(ValueError):
     """Raised when :func:`safepad.wrap` finds nothing in the model that it can fix."""
+
+
+class UntestedVersionError(ImportError):
+    """``import safepad`` found a transformers or torch release outside the range CI tests.
+
+    The message names the range and the pip command that installs a tested release; ``SAFEPAD_ALLOW_UNTESTED=1``
+    turns the refusal into a warning (README.md, "Supported versions").
+    """
