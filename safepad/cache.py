@@ -39,6 +39,7 @@ __all__ = [
     "cache_post_hook",
     "cache_argument",
     "cache_from_kwargs",
+    "cache_length",
     "forget_read",
     "is_recording",
     "fresh_cache_is_recurrent_only",
@@ -208,6 +209,7 @@ def write_states(
     if cache is None:
         return
     counted = 0  # what transformers' own update_conv_state added to the layer's count
+    before = None if state_idx != 0 or tracing() else _count_before(cache, layer_idx)
     if conv is not None and is_recording(cache, layer_idx):
         if inputs is None:
             raise ValueError(
@@ -223,6 +225,21 @@ def write_states(
     if recurrent is not None:
         cache.update_recurrent_state(recurrent, layer_idx, state_idx=state_idx)
     _count_tokens(cache, layer_idx, state_idx, tokens, counted)
+    if before is not None and isinstance(tokens, int):
+        _remember_count(cache.layers[layer_idx], before + tokens)
+
+
+def _count_before(cache, layer_idx: int) -> int | None:
+    """The layer's count before this write, when the host knows it: remembered, or 0 for a layer that holds no
+    state yet (new, or ``reset()``: transformers zeroes the count with the states)."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if not isinstance(getattr(layer, "cumulative_length_linear", None), Tensor):
+        return None
+    known = _known_count(layer)
+    if known is None and not any(getattr(layer, "has_previous_state", {}).values()):
+        known = 0
+    return known
 
 
 def _count_tokens(cache, layer_idx: int, state_idx: int, tokens: int, counted: int) -> None:
@@ -263,6 +280,57 @@ def recurrent_only(cache: Any) -> bool:
 
 def _config_of(model: Any) -> Any:
     return getattr(model, "config", None)
+
+
+def cache_length(cache: Any) -> Any:
+    """Tokens ``cache`` holds (pads included), without a host read where the host knows it: the first attention
+    layer's count (a Python int, or a symbolic size under dynamic shapes), safepad's own count of a recurrent-only
+    cache it tracks, and otherwise ``get_seq_length()`` (transformers < 5.25 raise ``ValueError`` for a cache without
+    attention layers).
+
+    From 5.25 on, ``get_seq_length()`` asks layer 0, which on a hybrid whose first layer is recurrent (and on every
+    recurrent-only cache) is a 0-d count tensor: ``int()`` of it is a host sync on every call (a stall per decode step
+    on CUDA), and a traced call that branches on it cannot compile. Every layer counts the same tokens; without an
+    attention layer, eager, the count every wrapped write leaves on the tensor (:data:`_KNOWN_ATTR`) is used, and the
+    device is read once only after someone else moved it (an unwrapped model, ``crop``, ``reset``).
+    """
+    if isinstance(cache, _TracksSeqLength) or not getattr(cache, "layers", None):
+        return cache.get_seq_length()
+    mixin = _attention_mixin()
+    idx = next((i for i, layer in enumerate(cache.layers) if mixin is not None and isinstance(layer, mixin)), None)
+    if idx is not None:
+        return cache.get_seq_length(idx)
+    length = cache.get_seq_length()
+    if not isinstance(length, Tensor) or tracing():
+        return length
+    known = _known_count(cache.layers[0])  # 5.25, no attention layer: the count the host knows, or one host read
+    if known is None:
+        known = int(length)
+        _remember_count(cache.layers[0], known)
+    return known
+
+
+#: a linear-attention layer's count as the host last knew it, kept on the 0-d count tensor itself (so a copy of the
+#: cache carries it): ``(id of the tensor, its version counter, the value)``. Valid while the tensor is the same object
+#: at the same version (nobody added, cropped or reset since), or is a fresh copy of it (``copy.deepcopy``: another
+#: object, version 0 or 1). Reading the tensor instead is a host sync (on CUDA, a stall per decode step).
+_KNOWN_ATTR = "_safepad_known"
+
+
+def _known_count(layer) -> int | None:
+    count = getattr(layer, "cumulative_length_linear", None)
+    seen = getattr(count, _KNOWN_ATTR, None) if isinstance(count, Tensor) else None
+    if seen is None:
+        return None
+    same = seen[0] == id(count) and seen[1] == count._version
+    copied = seen[0] != id(count) and count._version <= 1
+    return seen[2] if same or copied else None
+
+
+def _remember_count(layer, value: int) -> None:
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, Tensor):
+        setattr(count, _KNOWN_ATTR, (id(count), count._version, int(value)))
 
 
 def fresh_cache_is_recurrent_only(config: Any) -> bool:

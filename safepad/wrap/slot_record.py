@@ -19,7 +19,7 @@ from torch import nn
 
 from .._config import text_config_value
 from .._tracing import size_in
-from ..cache import CACHE_NAMES, recurrent_only
+from ..cache import CACHE_NAMES, cache_length, recurrent_only
 from ..layout.slots import SlotJustifiedCall
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ def _past_length(cache, *, traced: bool = False):
     if cache is None or not hasattr(cache, "get_seq_length"):
         return 0
     try:
-        return cache.get_seq_length() if traced else int(cache.get_seq_length())
+        return cache_length(cache) if traced else int(cache_length(cache))  # (5.25: not layer 0's count tensor)
     except ValueError:
         if traced or recurrent_only(cache):
             return 0

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._tracing import kwarg, size_in
-from ..cache import cache_from_kwargs, recurrent_only
+from ..cache import cache_from_kwargs, cache_length, recurrent_only
 from ..layout.slots import SlotJustifiedCall, _plain_dynamic
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _RELAID_FLAG, SlotRecord, _ask_for_model_output, _attentions_wanted, _cache_wanted,
@@ -75,7 +75,7 @@ def traced_slot_step(module: nn.Module, plan: ModelPlan, kwargs: dict, B: int, T
         return None
     mask = _rows_mask(kwargs, B)
     if mask is not None and _plain_dynamic_cache(cache):
-        past_len = cache.get_seq_length()  # an int (a symbolic size under dynamic shapes): no host read
+        past_len = cache_length(cache)  # an int (a symbolic size under dynamic shapes): no host read
         if past_len > 0 and mask.shape[1] == past_len + T:
             return _traced_relay(module, plan, kwargs, cache, mask, B, T, past_len)
     check_traced_cache(module, kwargs)
