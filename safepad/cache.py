@@ -14,6 +14,10 @@
   (when ``position_ids`` are not given), its mask construction and ``generate`` all call. The model hooks of
   :func:`safepad.wrap` hand such models a cache that counts the tokens it has seen
   (:func:`track_seq_length`) and answers from that count; attention-bearing caches are left alone.
+  From transformers 5.25 on, the linear layers count their tokens themselves (``cumulative_length_linear``, which
+  safepad's mixers advance as stock's do: :func:`write_states`), so a cache that an unwrapped model (or a plain
+  forward) filled still says how many tokens it has read (:func:`layer_token_count`): safepad serves that count
+  instead of refusing the cache as one of unknown history.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = [
     "cache_length",
     "forget_read",
     "is_recording",
+    "layer_token_count",
     "fresh_cache_is_recurrent_only",
     "needs_token_count",
     "new_tracked_cache",
@@ -256,6 +261,18 @@ def _count_tokens(cache, layer_idx: int, state_idx: int, tokens: int, counted: i
         count.add_(tokens - counted)
 
 
+def layer_token_count(cache: Any) -> int | None:
+    """The tokens a cache's linear layers say they have read (transformers >= 5.25: ``cumulative_length_linear`` of the
+    first layer that keeps one, what ``get_seq_length`` of a recurrent-only cache returns), or None where no layer
+    keeps a count (transformers 5.23 / 5.24). Every linear layer's count grows by each call's columns, pads included,
+    as an attention layer's does. A host read: for eager code only (``generate``'s input preparation, hooks)."""
+    for layer in getattr(cache, "layers", None) or ():
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, Tensor):
+            return int(count)
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # caches without an attention layer: the token count transformers cannot give
 # ----------------------------------------------------------------------------------------------------------
@@ -351,7 +368,8 @@ def needs_token_count(model: Any) -> bool:
     Only a model whose fresh cache has no attention layer *and* whose forward takes ``position_ids`` asks
     such a cache for its length: its forward derives positions (and builds masks) from it, and ``generate``
     derives ``position_ids`` from it. A forward without ``position_ids`` (Mamba, Mamba2, FalconMamba) never
-    asks, and neither does ``generate`` for it (it skips the length of an all-linear cache), so such a model
+    asks, and neither does ``generate`` for it before transformers 5.25 (it skipped the length of an all-linear cache;
+    5.25 reads the layers' own count, which needs no class of safepad's), so such a model
     keeps the caller's and stock's cache classes (``DynamicCache``, ``StaticCache``) untouched, with no
     Python-int count that a compiled forward would guard on.
     """
@@ -370,7 +388,8 @@ class _TracksSeqLength:
     ``get_seq_length`` / ``get_mask_sizes`` (and ``get_query_offset``, which calls the former) answer from
     ``_safepad_seen_tokens``, the number of token positions (pads included, as an attention cache counts
     them) that the wrapped model has run through this cache. A cache that held states before safepad first
-    saw it has no known count and raises a ``ValueError`` that says so.
+    saw it starts from its layers' own count (transformers >= 5.25, :func:`layer_token_count`); before 5.25 it has
+    no known count and raises a ``ValueError`` that says so.
     """
 
     def _safepad_length(self) -> int:
@@ -454,13 +473,14 @@ def _holds_states(cache: Any) -> bool:
 def track_seq_length(cache: Any) -> Any:
     """Make a recurrent-only ``cache`` answer ``get_seq_length`` from a token count (in place; returns it).
 
-    No-op for caches with an attention layer and for caches already tracked. An empty cache starts at 0;
-    one that already holds states has an unknown count (its length queries raise a clear ``ValueError``).
+    No-op for caches with an attention layer and for caches already tracked. An empty cache starts at 0; one that
+    already holds states starts from its layers' own count (transformers >= 5.25: :func:`layer_token_count`), and
+    before 5.25 has an unknown count (its length queries raise a clear ``ValueError``).
     """
     if cache is None or isinstance(cache, _TracksSeqLength) or not recurrent_only(cache):
         return cache
     cache.__class__ = _tracking_class(type(cache))
-    cache.__dict__["_safepad_seen_tokens"] = None if _holds_states(cache) else 0
+    cache.__dict__["_safepad_seen_tokens"] = layer_token_count(cache) if _holds_states(cache) else 0
     return cache
 
 

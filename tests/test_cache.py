@@ -29,6 +29,14 @@ NOT_A_CACHE = {"use_cache", "cache_offset"}
 _CACHE_LIKE = re.compile(r"cache|past")
 
 
+def _layers_count_tokens() -> bool:
+    """transformers >= 5.25: a linear-attention cache layer counts the tokens it has read (``cumulative_length_linear``),
+    and ``get_seq_length`` of a cache without attention layer returns that count (5.23 / 5.24 raise)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    return hasattr(LinearAttentionLayer(), "cumulative_length_linear")
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     before = torch.get_num_threads()
@@ -135,18 +143,29 @@ def test_token_count_only_where_the_model_asks_the_cache_for_its_length(family, 
 
 
 def test_tracked_cache_counts_and_a_prefilled_one_says_why_it_cannot():
+    """A prefilled cache (states written before safepad saw it): before transformers 5.25 nobody knows its length and
+    it says so; from 5.25 on its layers count their tokens, and the tracked cache answers from that count."""
     from transformers import DynamicCache
 
     config = tiny_model("nemotron_h", layers_block_type=PURE).config
     with pytest.raises(ValueError, match="only contain"):  # what stock transformers says
-        DynamicCache(config=config).get_seq_length()
+        DynamicCache(config=config).get_mask_sizes(3, 0)
+    if _layers_count_tokens():  # stock 5.25 answers get_seq_length from layer 0's own count
+        assert int(DynamicCache(config=config).get_seq_length()) == 0
+    else:
+        with pytest.raises(ValueError, match="only contain"):
+            DynamicCache(config=config).get_seq_length()
     cache = new_tracked_cache(config)
     assert recurrent_only(cache) and cache.get_seq_length() == 0 and cache.get_mask_sizes(3, 0) == (3, 0)
     copy.deepcopy(cache).get_seq_length()  # the swapped class survives a copy
     filled = DynamicCache(config=config)
     filled.update_conv_state(torch.zeros(1, 192, 4), 0, conv_kernel_size=4)  # marks has_previous_state
-    with pytest.raises(ValueError, match="written before safepad saw it"):
-        track_seq_length(filled).get_seq_length()
+    if _layers_count_tokens():  # the layer counted the 4 conv columns it was handed
+        tracked = track_seq_length(filled)
+        assert tracked.get_seq_length() == 4 and tracked.get_mask_sizes(3, 0) == (7, 0)
+    else:
+        with pytest.raises(ValueError, match="written before safepad saw it"):
+            track_seq_length(filled).get_seq_length()
     hybrid = DynamicCache(config=tiny_model("nemotron_h").config)
     assert track_seq_length(hybrid).__class__ is DynamicCache  # attention caches are left alone
 
@@ -196,14 +215,30 @@ def test_generate_feeds_a_returned_recurrent_cache_only_its_unseen_tokens(family
 @torch.no_grad()
 def test_generate_refuses_a_recurrent_cache_of_unknown_history(family):
     """A cache whose states a plain forward wrote (or advanced after generate) cannot say which of the tokens it
-    has read: generate raises naming the fix instead of reading the prompt twice (stock reads it silently)."""
+    has read before transformers 5.25: generate raises naming the fix instead of reading the prompt twice (stock
+    reads it silently). From 5.25 on the cache's layers count their tokens, so it can: generate feeds the unseen
+    suffix (as stock 5.25 does) and refuses a cache that has read as many tokens as the sequence holds (stock 5.25
+    then feeds a wrong slice of the sequence)."""
     ok, why = family_available(family)
     if not ok:
         pytest.skip(why)
-    wrapped = safepad.wrap(tiny_model(family))
+    stock = tiny_model(family)
+    wrapped = safepad.wrap(copy.deepcopy(stock))
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(4))
     name = cache_argument(wrapped)
     from_forward = output_cache(wrapped(input_ids=ids, use_cache=True))
+    if _layers_count_tokens():
+        with pytest.raises(ValueError, match=r"already read 6 tokens but the input sequence holds 6"):
+            _rows_generate(wrapped, ids, from_forward)
+        prefix = output_cache(wrapped(input_ids=ids[:, :4], use_cache=True))  # a forward read the first 4 tokens
+        got = _rows_generate(wrapped, ids, prefix, n=2).sequences
+        assert torch.equal(got, _rows_generate(stock, ids, n=2).sequences)  # stock, fresh cache
+        first = _rows_generate(wrapped, ids)
+        cache = output_cache(first)
+        wrapped(input_ids=first.sequences[:, -1:], use_cache=True, **{name: cache})  # advanced outside generate
+        with pytest.raises(ValueError, match="already read 7 tokens"):
+            _rows_generate(wrapped, first.sequences, cache)
+        return
     with pytest.raises(ValueError, match="cannot tell which of the input tokens it has already read"):
         _rows_generate(wrapped, ids, from_forward)
     first = _rows_generate(wrapped, ids)

@@ -32,6 +32,7 @@ from ..cache import (
     cache_argument,
     cache_from_kwargs,
     fresh_cache_is_recurrent_only,
+    layer_token_count,
     new_tracked_cache,
     output_cache,
     recurrent_only,
@@ -47,10 +48,14 @@ __all__ = ["SafepadCompiledCall", "SafepadGenerate", "SafepadPrepareInputs", "ma
 
 
 def _tokens_read(cache: Any) -> int | None:
-    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state (new, or ``reset()``), the
-    count a wrapped ``generate`` left when its states are those it left, ``None`` (unknown) otherwise."""
+    """Tokens an untracked recurrent-only ``cache`` has read: 0 when it holds no state (new, or ``reset()``), its
+    layers' own count where they keep one (transformers >= 5.25, whoever wrote the states), else the count a wrapped
+    ``generate`` left when its states are those it left, ``None`` (unknown) otherwise."""
     if not _holds_states(cache):
         return 0
+    own = layer_token_count(cache)
+    if own is not None:
+        return own
     rec = _record(cache)
     return None if rec is None else rec[0]
 
@@ -154,7 +159,9 @@ class SafepadPrepareInputs:
     through the cache and, on the first forward of a ``generate`` that continues from a cache that an earlier
     wrapped ``generate`` left (its states unchanged since), feeds only the unseen suffix ``[B, L - n]`` and the
     mask's matching columns. A cache holding states of unknown history raises ``ValueError`` when the call
-    would be ambiguous (``input_ids`` as long as the mask). Outside ``generate`` it is the class's own method.
+    would be ambiguous (``input_ids`` as long as the mask). From transformers 5.25 on, ``generate`` slices by the
+    cache layers' own token count, which every cache has (whoever wrote it: no unknown history); the same checks
+    (:func:`_check_continuation`) run on that count. Outside ``generate`` it is the class's own method.
     """
 
     def __init__(self, model: Any):
@@ -193,7 +200,12 @@ class SafepadPrepareInputs:
             return inputs
         entry = counts.setdefault(id(cache), [cache, _tokens_read(cache), None])
         read, drop = entry[1], 0
-        if first and kwargs.get("next_sequence_length") is None and full and _holds_states(cache):
+        # generate's prefill: before 5.25 it hands a recurrent-only cache the whole sequence (no next_sequence_length);
+        # from 5.25 on it slices by the layers' own count (next_sequence_length = L - count, unchecked: a count >= L
+        # feeds a wrong slice, all of the sequence or its tail past the excess), so the same checks run on that count
+        # and the slice is set here, as an int
+        prefill = kwargs.get("next_sequence_length") is None or layer_token_count(cache) is not None
+        if first and prefill and full and _holds_states(cache):
             if read is None:
                 raise ValueError(
                     f"{type(model).__name__}.generate: the cache holds recurrent states that no wrapped generate() "

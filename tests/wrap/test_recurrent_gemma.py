@@ -149,12 +149,19 @@ def small_models(request):
 
 
 def _alone(stock, seq, steps) -> torch.Tensor:
-    """``[1 + len(steps), V]``: the last prompt logits and each decode step's, the row alone through stock."""
+    """``[1 + len(steps), V]``: the last prompt logits and each decode step's, the row alone through stock.
+
+    The decode steps get their ``position_ids``: from transformers 5.25 on, the stock model takes its positions from
+    ``cache.get_seq_length()``, which is layer 0's own count, and layer 0 is a recurrent block that (stock) never
+    writes the cache, so the count stays 0 and every stock decode step without positions runs at position 0 (a reset
+    RG-LRU, wrong rotary). 5.23 / 5.24 asked the first attention layer. The wrapped blocks advance the count."""
     stock._setup_cache(stock.config, 1, torch.device("cpu"), torch.float32)
     cache = _fresh_cache(stock)
     out = [stock(input_ids=seq[None], use_cache=True, **_cache_kw(stock, cache)).logits[0, -1]]
-    for tok in steps:
-        out.append(stock(input_ids=tok.view(1, 1), use_cache=True, **_cache_kw(stock, cache)).logits[0, -1])
+    for k, tok in enumerate(steps):
+        pos = torch.tensor([[seq.numel() + k]])
+        out.append(stock(input_ids=tok.view(1, 1), position_ids=pos, use_cache=True,
+                         **_cache_kw(stock, cache)).logits[0, -1])  # fmt: skip
     return torch.stack(out)
 
 
