@@ -265,11 +265,16 @@ def layer_token_count(cache: Any) -> int | None:
     """The tokens a cache's linear layers say they have read (transformers >= 5.25: ``cumulative_length_linear`` of the
     first layer that keeps one, what ``get_seq_length`` of a recurrent-only cache returns), or None where no layer
     keeps a count (transformers 5.23 / 5.24). Every linear layer's count grows by each call's columns, pads included,
-    as an attention layer's does. A host read: for eager code only (``generate``'s input preparation, hooks)."""
+    as an attention layer's does. Eager code only (``generate``'s input preparation, hooks): the count the wrapped
+    writes left on the tensor (:func:`cache_length`), else one host read."""
     for layer in getattr(cache, "layers", None) or ():
         count = getattr(layer, "cumulative_length_linear", None)
         if isinstance(count, Tensor):
-            return int(count)
+            known = _known_count(layer)  # what the wrapped writes left: no host read
+            if known is None:
+                known = int(count)
+                _remember_count(layer, known)
+            return known
     return None
 
 
