@@ -2,7 +2,14 @@
 
 The subclass's ``forward`` is the family spec's generic forward (chosen once per class); parameters, buffers,
 ``state_dict`` keys and the config are untouched, ``print(model)`` shows ``Safepad<Mixer>(safepad=..., ...)``
-and :func:`unwrap` restores the original classes exactly. The generated classes live in ``safepad.wrap`` (their
+and :func:`unwrap` restores the original classes exactly.
+
+The other modules of a wrapped model whose class the ``kernels`` package's ``use_kernelized_func`` decorates
+(transformers 5.25: e.g. ``NemotronHAttention``, for its rotary function) get a ``Safepad<Class>`` subclass too
+(``safepad=kernel-routing-skipped``): its forward calls the class's own forward directly, unless the module's
+kernel functions were replaced by ``kernels.kernelize``. The decorator's forward sets a module-level context
+variable around every call, which torch.compile cannot trace inside a checkpointed layer (a graph break per
+layer); without ``kernelize`` the routing changes nothing (every function runs its torch code either way). The generated classes live in ``safepad.wrap`` (their
 ``__module__``), so a pickled wrapped model finds them again (``safepad.wrap.__getattr__`` rebuilds them in a
 fresh process).
 """
@@ -81,10 +88,84 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     return cls
 
 
+def _kernel_routing_forward(cls: type):
+    """The forward ``cls`` had before the ``kernels`` package's ``use_kernelized_func`` wrapped it (which routes
+    the module's kernel functions through a context variable around each call), or ``None`` when ``cls``'s
+    forward is no such wrapper."""
+    forward = getattr(cls, "forward", None)
+    inner = getattr(forward, "__wrapped__", None)
+    code = getattr(forward, "__code__", None)
+    if inner is None or code is None or code.co_name != "new_forward":
+        return None
+    layer = sys.modules.get("kernels._internals.layer.layer")
+    if layer is None or getattr(layer, "_ACTIVE_KERNEL_FUNCS", None) is None:
+        return None
+    if code.co_filename != getattr(layer, "__file__", None):
+        return None
+    return inner
+
+
+def _kernelized(module: nn.Module) -> bool:
+    """Whether ``kernels.kernelize`` replaced one of ``module``'s kernel functions (it sets their ``forward``)."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    return bool(funcs) and any("forward" in f.__dict__ for f in funcs.values())
+
+
+def _routing_skipped_class(orig: type) -> type:
+    """``Safepad<Orig>`` for a ``use_kernelized_func``-decorated class safepad does not patch otherwise: its forward
+    calls ``orig``'s undecorated forward, or the decorated one when the module was kernelized."""
+    key = (orig, "kernel-routing")
+    if key in _CLASS_CACHE:
+        return _CLASS_CACHE[key]
+    inner = _kernel_routing_forward(orig)
+    routed = orig.forward
+
+    def forward(self, *args, **kwargs):
+        if _kernelized(self):
+            return routed(self, *args, **kwargs)
+        return inner(self, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        base = orig.extra_repr(self)
+        tag = "safepad=kernel-routing-skipped"
+        return f"{tag}, {base}" if base else tag
+
+    name = f"Safepad{orig.__name__}"
+    cls = type(
+        name,
+        (orig,),
+        {
+            "forward": forward,
+            "extra_repr": extra_repr,
+            "_safepad_original_class": orig,
+            "__module__": _PUBLIC_MODULE,
+            "__qualname__": name,
+            "__doc__": f"{orig.__name__} calling its forward without the kernels package's routing (safepad, "
+            "unless kernelized). Undo with safepad.unwrap.",
+        },
+    )
+    _CLASS_CACHE[key] = cls
+    setattr(sys.modules[_PUBLIC_MODULE], name, cls)
+    return cls
+
+
+def _loaded_transformers_class(name: str) -> type | None:
+    """The class ``name`` of an imported ``transformers.models`` module, if any."""
+    return next(
+        (getattr(m, name) for n, m in list(sys.modules.items())
+         if n.startswith("transformers.models.") and isinstance(getattr(m, name, None), type)),
+        None,
+    )
+
+
 def rebuild_patched_class(orig_name: str) -> type | None:
-    """``Safepad<orig_name>`` built again from the registry (the spec naming ``orig_name``, its transformers class)."""
+    """``Safepad<orig_name>`` built again from the registry (the spec naming ``orig_name``, its transformers class),
+    or for a class whose kernel routing safepad skips."""
     spec = next((s for s in all_specs() if orig_name in s.mixer_classes), None)
     if spec is None:
+        orig = _loaded_transformers_class(orig_name)
+        if orig is not None and _kernel_routing_forward(orig) is not None:
+            return _routing_skipped_class(orig)
         return None
     orig = None
     try:
@@ -93,11 +174,7 @@ def rebuild_patched_class(orig_name: str) -> type | None:
     except ImportError:
         pass
     if orig is None:  # a family whose mixer lives in another model's module: look through the loaded ones
-        orig = next(
-            (getattr(m, orig_name) for n, m in list(sys.modules.items())
-             if n.startswith("transformers.models.") and isinstance(getattr(m, orig_name, None), type)),
-            None,
-        )
+        orig = _loaded_transformers_class(orig_name)
     return None if orig is None else _patched_class(orig, spec)
 
 
@@ -164,6 +241,8 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
             state.layer_idx = layer_index(name)
         probe_gated_norm(module, spec.options.get("gated_norm"))
         owners.add(id(module))
+    if owners:
+        _skip_kernel_routing(model)
     if not owners:
         reason = _unsupported_reason(model)
         raise UnsupportedModelError(
@@ -175,6 +254,14 @@ def wrap(model: nn.Module, backend: str = "auto") -> nn.Module:
     if patched:
         logger.info("safepad: wrapped %d mixer(s) of %s (backend=%s)", len(patched), _model_type(model), backend)
     return model
+
+
+def _skip_kernel_routing(model: nn.Module) -> None:
+    """Give each other ``use_kernelized_func``-decorated module its ``Safepad<Class>`` (see the module docstring)."""
+    for module in model.modules():
+        cls = type(module)
+        if getattr(cls, "_safepad_original_class", None) is None and _kernel_routing_forward(cls) is not None:
+            module.__class__ = _routing_skipped_class(cls)
 
 
 def layer_index(name: str) -> int | None:
