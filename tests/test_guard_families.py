@@ -47,9 +47,12 @@ def _packed_row():
 
 def test_every_registry_family_is_covered():
     """The tiny families span the registry: each supported model type is one of them (or their text model)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     built = {f.removesuffix("_text") for f in FAMILIES} | set(FAMILIES)
-    missing = [t for t in supported_model_types() if t not in built and f"{t}_text" not in built]
-    assert not missing, missing
+    installed = [t for t in supported_model_types() if t in CONFIG_MAPPING]  # (5.23 lacks lara_mini, inkling2_loop)
+    missing = [t for t in installed if t not in built and f"{t}_text" not in built]
+    assert installed and not missing, missing
 
 
 @pytest.mark.parametrize("family", FAMILIES)

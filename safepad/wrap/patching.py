@@ -107,8 +107,10 @@ def _kernel_routing_forward(cls: type):
 
 def _kernelized(module: nn.Module) -> bool:
     """Whether ``kernels.kernelize`` replaced one of ``module``'s kernel functions (it sets their ``forward``)."""
-    funcs = module.__dict__.get("_kernel_funcs")
-    return bool(funcs) and any("forward" in f.__dict__ for f in funcs.values())
+    funcs = getattr(module, "_kernel_funcs", None)
+    if funcs is None or len(funcs) == 0:  # (not bool(dict): dynamo of torch 2.11 cannot trace it)
+        return False
+    return any("forward" in f.__dict__ for f in funcs.values())
 
 
 def _routing_skipped_class(orig: type) -> type:
