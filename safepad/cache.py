@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from transformers import cache_utils as _cache_utils  # at import: a traced call cannot import (lazy module)
+
 from ._tracing import CallScope, kwarg, tracing
 
 logger = logging.getLogger(__name__)
@@ -284,9 +286,7 @@ def layer_token_count(cache: Any) -> int | None:
 
 
 def _attention_mixin():
-    from transformers import cache_utils
-
-    return getattr(cache_utils, "CacheLayerMixin", None)
+    return getattr(_cache_utils, "CacheLayerMixin", None)
 
 
 def recurrent_only(cache: Any) -> bool:
