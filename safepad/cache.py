@@ -334,8 +334,8 @@ def cache_length(cache: Any) -> Any:
 
 #: a linear-attention layer's count as the host last knew it, kept on the 0-d count tensor itself (so a copy of the
 #: cache carries it): ``(id of the tensor, its version counter, the value)``. Valid while the tensor is the same object
-#: at the same version (nobody added, cropped or reset since), or is a fresh copy of it (``copy.deepcopy``: another
-#: object, version 0 or 1). Reading the tensor instead is a host sync (on CUDA, a stall per decode step).
+#: at the same version (nobody added, cropped or reset since), or is an untouched copy of it (``copy.deepcopy``:
+#: another object, at version 1). Reading the tensor instead is a host sync (on CUDA, a stall per decode step).
 _KNOWN_ATTR = "_safepad_known"
 
 
@@ -345,7 +345,7 @@ def _known_count(layer) -> int | None:
     if seen is None:
         return None
     same = seen[0] == id(count) and seen[1] == count._version
-    copied = seen[0] != id(count) and count._version <= 1
+    copied = seen[0] != id(count) and count._version == 1  # copy.deepcopy leaves a copy at version 1
     return seen[2] if same or copied else None
 
 
