@@ -69,6 +69,13 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
         tag = f"safepad={spec.kind}:{spec.model_type}, backend={self._safepad.backend}"
         return f"{tag}, {base}" if base else tag
 
+    doc = f"{orig.__name__} patched by safepad ({spec.kind} generic mixer). Undo with safepad.unwrap."
+    return _generated_class(orig, key, forward, extra_repr, doc, _safepad_spec=spec)
+
+
+def _generated_class(orig: type, key: tuple, forward, extra_repr, doc: str, **attrs) -> type:
+    """``Safepad<Orig>``: a subclass of ``orig`` with ``forward`` / ``extra_repr``, cached under ``key`` and set on
+    the public module (so pickle / torch.save of a wrapped model finds the class); ``unwrap`` restores ``orig``."""
     name = f"Safepad{orig.__name__}"
     cls = type(
         name,
@@ -77,14 +84,14 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
             "forward": forward,
             "extra_repr": extra_repr,
             "_safepad_original_class": orig,
-            "_safepad_spec": spec,
+            **attrs,
             "__module__": _PUBLIC_MODULE,
             "__qualname__": name,
-            "__doc__": f"{orig.__name__} patched by safepad ({spec.kind} generic mixer). Undo with safepad.unwrap.",
+            "__doc__": doc,
         },
     )
     _CLASS_CACHE[key] = cls
-    setattr(sys.modules[_PUBLIC_MODULE], name, cls)  # so pickle / torch.save of a wrapped model finds the class
+    setattr(sys.modules[_PUBLIC_MODULE], name, cls)
     return cls
 
 
@@ -132,23 +139,11 @@ def _routing_skipped_class(orig: type) -> type:
         tag = "safepad=kernel-routing-skipped"
         return f"{tag}, {base}" if base else tag
 
-    name = f"Safepad{orig.__name__}"
-    cls = type(
-        name,
-        (orig,),
-        {
-            "forward": forward,
-            "extra_repr": extra_repr,
-            "_safepad_original_class": orig,
-            "__module__": _PUBLIC_MODULE,
-            "__qualname__": name,
-            "__doc__": f"{orig.__name__} calling its forward without the kernels package's routing (safepad, "
-            "unless kernelized). Undo with safepad.unwrap.",
-        },
+    doc = (
+        f"{orig.__name__} calling its forward without the kernels package's routing (safepad, unless kernelized). "
+        "Undo with safepad.unwrap."
     )
-    _CLASS_CACHE[key] = cls
-    setattr(sys.modules[_PUBLIC_MODULE], name, cls)
-    return cls
+    return _generated_class(orig, key, forward, extra_repr, doc)
 
 
 def _loaded_transformers_class(name: str) -> type | None:
