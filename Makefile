@@ -237,9 +237,21 @@ CUDA_PYTHON    ?= python3
 CUDA_TEST_S    ?= 90
 GPU_CHECK_ARGS ?=
 # The check runs even when a cuda test fails (its report is what a lease brings back); the target fails if either did.
+# `make test-cuda EMULATE=1` runs the same two steps on CPU, in the kernel venv: the cuda-marked tests on CPU tensors
+# through the Triton interpreter and the C++ stand-ins (tests/kernels/test_device_kernels.py, smaller shapes), then
+# `gpu_check --emulate` (its routes part through the same emulation; the other parts need a GPU). `make test`
+# runs both inside test-kernels.
+ifeq ($(EMULATE),1)
+test-cuda: $(KVENV)/.installed
+	status=0; SAFEPAD_KERNEL_TIER=1 TRITON_INTERPRET=1 $(KVENV)/bin/python -m pytest -q -p no:cacheprovider -m cuda \
+		tests/kernels || status=$$?; \
+	TRITON_INTERPRET=1 $(KVENV)/bin/python -m benchmarks.gpu_check --emulate $(GPU_CHECK_ARGS) || status=$$?; exit $$status
+else
 test-cuda:
-	status=0; timeout $(CUDA_TEST_S) $(CUDA_PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests/ops || status=$$?; \
+	status=0; SAFEPAD_KERNEL_TIER=cuda timeout $(CUDA_TEST_S) $(CUDA_PYTHON) -m pytest -q -p no:cacheprovider -m cuda \
+		tests/kernels || status=$$?; \
 	$(CUDA_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS) || status=$$?; exit $$status
+endif
 
 # The GPU check's CPU smoke run: every part's code path at small shapes (tests/benchmarks runs it in `make test`)
 gpu-check-cpu: setup

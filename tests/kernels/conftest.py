@@ -6,6 +6,10 @@ causal-conv1d installed without their CUDA builds, flash-linear-attention) and i
 are not collected: they need that environment, and ``TRITON_INTERPRET`` must be set before triton is
 imported. ``SAFEPAD_KERNEL_TIER=full`` also runs the whole audit matrix of every family with kernels.
 
+``SAFEPAD_KERNEL_TIER=cuda`` (``make test-cuda`` on a GPU machine) runs the ``cuda``-marked tests
+(``test_device_kernels.py``) on the real kernels and a CUDA device instead: nothing is emulated. Under the
+emulation the same tests run on CPU tensors (:data:`DEVICE`), so the CUDA tier's code runs in every CI.
+
 Before the emulation is installed, every transformers modeling module that the tiny families use is
 imported with mamba-ssm, causal-conv1d and FLA hidden, so that the STOCK reference models keep
 transformers' plain torch paths: the reference stays independent of the kernels under test.
@@ -18,14 +22,25 @@ import importlib
 import os
 import sys
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 
 _TIER = os.environ.get("SAFEPAD_KERNEL_TIER", "")
 _PACKAGES = ("triton", "mamba_ssm", "causal_conv1d", "fla")
 
+#: the device the ``cuda``-marked tests run on: "cuda" on a GPU machine, "cpu" under the emulation
+DEVICE = "cuda" if _TIER == "cuda" else "cpu"
+
 if not _TIER:
     collect_ignore_glob = ["test_*.py"]
+elif _TIER == "cuda":
+    import torch
+
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("SAFEPAD_KERNEL_TIER=cuda needs a CUDA device: use make test-cuda EMULATE=1 on CPU")
+    # the other modules test the emulation itself (CPU tensors): only the device tests run on a GPU
+    collect_ignore = [p.name for p in Path(__file__).parent.glob("test_*.py") if p.name != "test_device_kernels.py"]
 else:
     _missing = [m for m in _PACKAGES if find_spec(m) is None]
     if _missing:

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from safepad.layout.boundaries import cu_seqlens_from_seq_idx
-from safepad.ops import kernels
 from safepad.ops.selective_scan import selective_scan, selective_state_step
 
 _spec = importlib.util.spec_from_file_location("reference_selective", Path(__file__).with_name("reference_selective.py"))
@@ -416,48 +415,6 @@ def test_bad_step_input_raises(over, name):
         selective_state_step(
             args.pop("state"), args.pop("u"), args.pop("delta"), args.pop("A"), args.pop("B"), args.pop("C"), **args
         )
-
-
-_HAS_CUDA_KERNELS = torch.cuda.is_available() and kernels.selective_scan_fn is not None
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not _HAS_CUDA_KERNELS, reason="needs CUDA and mamba-ssm's selective_scan_fn")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_kernel_matches_torch_core(dtype):
-    x = make_inputs(2, 37, dtype=dtype, h0=False, seed=0)
-    x = {k: (v.cuda() if v is not None else None) for k, v in x.items()}
-    x["D"], x["delta_bias"] = x["D"].float(), x["delta_bias"].float()
-    with torch.no_grad():
-        y_k, fin_k = scan(x, return_final_state=True, backend="kernels")
-        y_t, fin_t = scan(x, return_final_state=True, backend="torch")
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(y_k.float(), y_t.float(), **tol)
-    torch.testing.assert_close(fin_k, fin_t, rtol=1e-4, atol=1e-4)
-    # training: gradients through the kernel equal the torch core's
-    xs = [{k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in x.items()} for _ in "kt"]
-    scan(xs[0], backend="kernels").float().square().sum().backward()
-    scan(xs[1], backend="torch").float().square().sum().backward()
-    for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias"):
-        torch.testing.assert_close(xs[0][k].grad.float(), xs[1][k].grad.float(), **tol, msg=lambda m, k=k: f"{k}: {m}")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and kernels.selective_state_update is not None),
-    reason="needs CUDA and mamba-ssm's selective_state_update",
-)
-def test_cuda_state_step_matches_torch_core():
-    x = make_inputs(3, 1, dtype=torch.float32, seed=1)
-    x = {k: (v.cuda() if v is not None else None) for k, v in x.items()}
-    args = (x["initial_state"], x["u"][:, 0], x["delta"][:, 0], x["A"], x["B"][:, 0], x["C"][:, 0])
-    kw = dict(D=x["D"], z=x["z"][:, 0], delta_bias=x["delta_bias"])
-    before = x["initial_state"].clone()
-    y_k, s_k = selective_state_step(*args, **kw, backend="kernels")
-    y_t, s_t = selective_state_step(*args, **kw, backend="torch")
-    assert torch.equal(x["initial_state"], before)
-    torch.testing.assert_close(y_k, y_t, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(s_k, s_t, rtol=1e-4, atol=1e-4)
 
 
 def test_softplus_pipeline_is_the_shared_one():
