@@ -78,7 +78,7 @@ def check_same_call(arguments: Mapping[str, object], group, rank: int, world: in
     rows = torch.zeros(len(CHECKED_ARGUMENTS) + 1, _WIDTH, dtype=torch.float64, device=device)
     for name, value in arguments.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and name in CHECKED_ARGUMENTS:
-            value = torch.tensor(value)
+            value = torch.tensor(value)  # host: _fingerprint moves it to the group's device
         if not isinstance(value, Tensor):
             continue
         fp = _fingerprint(value, device)

@@ -95,8 +95,8 @@ _ROW_OPS = ("batch_select_indices", "batch_repeat_interleave", "reorder_cache")
 def _rows_taken(op: str, arg: Any, batch: int) -> torch.Tensor:
     """The old row each new row comes from, ``[B']`` long, for ``op`` with ``arg`` on a cache of ``batch`` rows."""
     if op == "batch_repeat_interleave":
-        return torch.arange(batch).repeat_interleave(int(arg))
-    idx = torch.as_tensor(arg).to("cpu")
+        return torch.arange(batch).repeat_interleave(int(arg))  # host: row indices, moved to each tensor by _take
+    idx = torch.as_tensor(arg).to("cpu")  # host: moved to each tensor by _take
     if idx.dtype == torch.bool:
         idx = idx.nonzero().flatten()
     return idx.long().reshape(-1)
