@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import audit, fsdp2, generate, routes, speed
+from . import audit, fsdp2, generate, graphs, routes, speed
 from .common import Row
 
 
@@ -111,6 +111,12 @@ PARTS: list[Part] = [
          _figures_only(speed.bench_train_tokens),
          ("packed_wrapped_tokens_per_s", "padded_stock_tokens_per_s", "speedup", "packed_wrapped_peak_mem_gib",
           "padded_stock_peak_mem_gib"), cpu_budget_s=120, autotune="full"),
+    Part("generate_cuda_graph", 240, "any",
+         "padded-batch generate, static cache compiled with CUDA graphs (reduce-overhead) vs eager: tokens/s of "
+         "stock (left pads) and wrapped (right, left pads) at the 9B slice, bf16; captured == eager",
+         graphs.run, ("stock_left_graph_tokens_per_s", "wrapped_right_graph_tokens_per_s",
+                      "wrapped_left_graph_tokens_per_s", "wrapped_right_graph_vs_stock_graph"),
+         cpu_budget_s=120, autotune="full"),
     Part("syncs_per_step", 25, "cuda",
          "host-device syncs in one wrapped packed training step (torch.cuda.set_sync_debug_mode('warn'))",
          _figures_only(speed.count_syncs_per_step), ("syncs_per_step", "sites"), autotune="full"),
