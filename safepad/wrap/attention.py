@@ -54,7 +54,8 @@ def upcast_sdpa_forward(
     """transformers' ``sdpa_attention_forward``, computed in float64 for bf16 / fp16 CPU inputs.
 
     ``query`` ``[B, Hq, T, d]``, ``key`` / ``value`` ``[B, Hk, S, d | dv]``, ``attention_mask`` ``[B, 1, T, S]``
-    (bool or additive) or ``None`` -> (``[B, T, Hq, dv]`` in ``query``'s dtype, ``None``).
+    (bool or additive) or ``None`` -> (``[B, T, Hq, dv]`` in ``query``'s dtype, ``None``). Floating-point tensors
+    among ``kwargs`` (a ``position_bias`` ``[B, Hq, T, S]``) are computed in float64 too.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -63,9 +64,17 @@ def upcast_sdpa_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.double()
+    # every floating tensor argument joins the float64 computation: Inkling's ``position_bias`` [B, H, T, S] (which
+    # sdpa_attention_forward turns into the additive mask), a sink's logits, ...; float32 ones too (autocast)
+    kwargs = {k: _double(v) for k, v in kwargs.items()}
     q, k, v = query.double(), key.double(), value.double()
     out, weights = sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
     return out.to(dtype), weights
+
+
+def _double(value):
+    """A floating-point tensor as float64; anything else (ints, flags, integer position tensors) as it is."""
+    return value.double() if isinstance(value, Tensor) and value.is_floating_point() else value
 
 
 def register() -> None:

@@ -78,3 +78,38 @@ def test_uncached_left_padded_call_uses_rollout_positions(compiled):
     assert torch.equal(got[real], ref[real])
     assert not torch.equal(slots[1][real[1]], ref[1][real[1]]), "slot positions round alike: the test shows nothing"
 
+
+def _inkling_pair():
+    """The tiny Inkling (attention with a learned ``position_bias`` and sliding layers) wrapped in bf16, and the same
+    weights wrapped in float64 (experts ``eager``: grouped_mm has no float64) as the reference."""
+    ref = tiny_model("inkling_text").double()
+    ref.set_experts_implementation("eager")
+    return safepad.wrap(tiny_model("inkling_text", dtype=torch.bfloat16)), safepad.wrap(ref)
+
+
+def test_inkling_bf16_position_bias_padded_batch_equals_each_row_alone():
+    """bf16 Inkling: its ``position_bias`` (a kwarg of the attention call, which transformers' sdpa turns into the
+    additive mask) joins the float64 attention; before, it stayed bf16 next to float64 queries and sdpa raised
+    "Expected attn_mask dtype to be bool or float or to match query dtype". A left-padded batch forward and a greedy
+    ``generate`` give each row the logits of that row alone through the same model, within the bf16 model's own
+    error against float64 (measured here; a padding defect is orders above it)."""
+    model, ref = _inkling_pair()
+    assert model.config._attn_implementation == attention.UPCAST_SDPA
+    ids, mask = _ids(B=2, T=9)
+    gen = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits.double()  # [B, T, V]
+        out = model.generate(input_ids=ids, attention_mask=mask, **gen)
+        for b in range(2):
+            row = ids[b][mask[b].bool()][None]  # [1, n]
+            alone = model(input_ids=row).logits[0].double()  # [n, V]
+            noise = (alone - ref(input_ids=row).logits[0]).abs().max()
+            assert 0 < noise < 0.05, noise  # bf16 rounding, not a layout error
+            assert (batch[b][mask[b].bool()] - alone).abs().max() <= noise
+            alone_gen = model.generate(input_ids=row, **gen)
+            ref_gen = ref.generate(input_ids=row, **gen)
+            got = torch.stack([step[b] for step in out.logits]).double()  # [new, V]
+            want = torch.stack([step[0] for step in alone_gen.logits]).double()
+            gen_noise = (want - torch.stack([step[0] for step in ref_gen.logits])).abs().max()
+            assert torch.equal(out.sequences[b, ids.shape[1]:], alone_gen.sequences[0, row.shape[1]:])
+            assert (got - want).abs().max() <= gen_noise
