@@ -145,3 +145,31 @@ def test_other_implementations_are_left_alone():
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     assert model.config._attn_implementation == "eager"
+
+
+def test_compiled_cast_after_wrap_switches_once_and_recompiles_nothing():
+    """``torch.compile(model)`` of a model cast to bf16 after ``wrap``: its first call switches the config (traced
+    in the hook), later calls compile no frame, and the logits equal those of the model wrapped in bf16."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    def compiled_calls(model, n: int = 3) -> tuple[list[int], torch.Tensor]:
+        dynamo.reset()
+        counters.clear()
+        run = torch.compile(model, backend="eager")
+        frames = []
+        for _ in range(n):
+            before = counters["frames"]["ok"]
+            with torch.no_grad():
+                logits = run(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            frames.append(counters["frames"]["ok"] - before)
+        dynamo.reset()
+        return frames, logits
+
+    after = safepad.wrap(tiny_model("bamba")).to(torch.bfloat16)
+    ids, mask = _ids(after)
+    frames, got = compiled_calls(after)
+    assert after.config._attn_implementation == attention.UPCAST_SDPA
+    assert frames[0] > 0 and frames[1:] == [0, 0], frames
+    _, want = compiled_calls(safepad.wrap(tiny_model("bamba", dtype=torch.bfloat16)))
+    assert torch.equal(got, want)
