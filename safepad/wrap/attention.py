@@ -157,7 +157,7 @@ def sync_upcast_sdpa(configs: tuple, upcast: bool) -> int:
     if changed:
         logger.info(
             "safepad: config._attn_implementation of %s now %r (%s)",
-            ", ".join(sorted({str(getattr(cfg, "model_type", "?")) for cfg in configs if cfg._attn_implementation == want})),
+            ", ".join(sorted({str(getattr(c, "model_type", "?")) for c in configs if c._attn_implementation == want})),
             want,
             "bf16 / fp16 on CPU: sdpa in float64, rounded once; safepad.unwrap restores 'sdpa'"
             if upcast

@@ -1,8 +1,8 @@
 """``"safepad_sdpa"``: float64 attention on bf16 / fp16 CPU tensors.
 
 The rollout-parity consequences are tested in ``tests/rl/test_rollout_parity.py``, which configs point at it (and
-when) in ``test_attention_implementation.py``; here: that float32 runs stock sdpa unchanged (bitwise), that a bf16 attention
-output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not), and that an
+when) in ``test_attention_implementation.py``; here: that float32 runs stock sdpa unchanged (bitwise), that a bf16
+attention output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not), and that an
 uncached left-padded call of a hybrid rotates at the rollout's positions (eager and compiled).
 """
 
