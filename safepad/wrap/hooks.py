@@ -46,6 +46,7 @@ from ..layout.normalize import (
     position_ids_from_seq_idx,
     restarts_at_real_tokens,
 )
+from .attention import sync_upcast_sdpa, upcast_needed
 from .attention_masks import packed_mask_mapping
 from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
@@ -155,6 +156,8 @@ class _ModelPreHook:
                 return args, kwargs
             module._safepad.tokens.append(None)
             return None
+        # "sdpa" <-> "safepad_sdpa" by this call's dtype / device (host facts; a no-op after the first call of each)
+        sync_upcast_sdpa(plan.attention_configs, upcast_needed(module, ids))
         if module.training:
             hook_checkpoint_functions(plan.checkpointed)
         if ids is None or ids.dim() < 2:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from torch import nn
 
 from .._config import text_config_value
+from .attention import attention_configs
 
 __all__ = ["ModelPlan", "counts_slots", "plan_for"]
 
@@ -61,6 +62,9 @@ class ModelPlan:
     #: a top-level forward that gives its attention_mask to the router loss and passes it on to a hooked inner
     #: model (which drops it on packed calls): it gets the real-token mask of a packed call
     router_loss_mask: bool
+    #: the configs (and sub-configs) of ``target`` with an attention implementation: the pre-hook points those at
+    #: ``"sdpa"`` / ``"safepad_sdpa"`` by the call's dtype and device (:mod:`safepad.wrap.attention`)
+    attention_configs: tuple = ()
 
 
 def plan_for(target: nn.Module, specs: list) -> ModelPlan:
@@ -81,6 +85,7 @@ def plan_for(target: nn.Module, specs: list) -> ModelPlan:
         checkpointed=tuple(m for m in target.modules() if hasattr(m, "gradient_checkpointing")),
         router_loss_mask=any(s.options.get("router_loss_mask", False) for s in specs)
         and any(m is not target and isinstance(m, PreTrainedModel) for m in target.modules()),
+        attention_configs=attention_configs(target),
     )
 
 

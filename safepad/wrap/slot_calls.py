@@ -24,6 +24,7 @@ from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
+from .hidden_routes import HiddenStateRoute, route_wanted
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
     _arange_positions, _attentions_wanted, _cache_wanted, _defer_logits_to_keep, _install, _mask_positions, _mrope,
@@ -225,6 +226,8 @@ def slot_justify(
     if record.restore and not (step and not _attentions_wanted(module, named)):
         _ask_for_model_output(module, plan, named, record)
     _install(call, cache, named, record)
+    if record.restore and call.order is not None and route_wanted(module, named):
+        record.route = HiddenStateRoute(call, module, (B, T))  # returned hidden states on the loss path
     return (), named
 
 

@@ -63,7 +63,8 @@ class SlotRecord:
     """What the post-hook needs to undo a slot-justified call (``call`` None: nothing to undo)."""
 
     __slots__ = (
-        "as_tuple", "cache", "call", "keep", "labels", "loss_kwargs", "padded", "pads", "restore", "shape", "shift"
+        "as_tuple", "cache", "call", "keep", "labels", "loss_kwargs", "padded", "pads", "restore", "route", "shape",
+        "shift",
     )
 
     def __init__(self, call: SlotJustifiedCall | None, shape: tuple[int, int], keep, padded: bool,
@@ -84,6 +85,9 @@ class SlotRecord:
         self.pads = None
         # the cache handed in: marked re-laid / padded when the output carries none (RecurrentGemma)
         self.cache = None
+        # hidden states asked for with gradients on a re-laid call: the forward continues from their caller-order
+        # views, which the post-hook returns (safepad.wrap.hidden_routes)
+        self.route = None
 
 
 def _attentions_wanted(module: nn.Module, named: dict) -> bool:
@@ -274,6 +278,8 @@ def slot_restore(record: SlotRecord, output, module: nn.Module):
     call = record.call
     if call is not None:
         call.uninstall()
+    if record.route is not None:
+        record.route.remove()
     if output is None:  # the forward raised
         return None
     cache = next((c for n in CACHE_NAMES if (c := getattr(output, n, None)) is not None), record.cache)
@@ -322,7 +328,7 @@ def _restored(record: SlotRecord, call: SlotJustifiedCall, output):
             return call.restore(v.view(B, T, -1)).reshape(v.shape)
         if v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
             if record.restore:
-                v = call.restore(v)
+                v = call.restore(v) if record.route is None else record.route.caller_view(v)
             if name == "logits" and record.keep is not None:
                 v = v[:, -record.keep :] if isinstance(record.keep, int) else v[:, record.keep]
         return v

@@ -1,8 +1,8 @@
-"""``safepad.wrap`` points ``"sdpa"`` attention at ``"safepad_sdpa"`` (float64 on bf16 / fp16 CPU tensors), and back.
+"""``"safepad_sdpa"``: float64 attention on bf16 / fp16 CPU tensors.
 
-The rollout-parity consequences are tested in ``tests/rl/test_rollout_parity.py``; here: which configs change,
-that ``unwrap`` restores them, that float32 runs stock sdpa unchanged (bitwise), that a bf16 attention
-output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not), and that an
+The rollout-parity consequences are tested in ``tests/rl/test_rollout_parity.py``, which configs point at it (and
+when) in ``test_attention_implementation.py``; here: that float32 runs stock sdpa unchanged (bitwise), that a bf16
+attention output is the float64 attention of its inputs rounded once (stock's fused bf16 kernel is not), and that an
 uncached left-padded call of a hybrid rotates at the rollout's positions (eager and compiled).
 """
 
@@ -26,32 +26,15 @@ def _ids(B: int = 3, T: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def test_wrap_points_sdpa_configs_at_safepad_sdpa_and_unwrap_restores():
-    model = tiny_model("bamba")
-    assert model.config._attn_implementation == "sdpa"
-    safepad.wrap(model)
-    assert model.config._attn_implementation == attention.UPCAST_SDPA
-    safepad.wrap(model)  # idempotent
-    assert model.config._attn_implementation == attention.UPCAST_SDPA
-    safepad.unwrap(model)
-    assert model.config._attn_implementation == "sdpa"
+def test_float32_inputs_run_stock_sdpa_bitwise():
+    """float32 tensors handed to "safepad_sdpa" (a config still pointing there) get stock sdpa's output bitwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-
-def test_eager_attention_is_left_alone():
-    model = tiny_model("bamba")
-    model.set_attn_implementation("eager")
-    safepad.wrap(model)
-    assert model.config._attn_implementation == "eager"
-
-
-def test_float32_logits_are_stock_sdpa_bitwise():
-    """float32: the same wrapped model gives the same logits through "sdpa" and "safepad_sdpa"."""
-    model = safepad.wrap(tiny_model("bamba"))
-    ids, mask = _ids()
-    with torch.no_grad():
-        ours = model(input_ids=ids, attention_mask=mask).logits
-        model.config._attn_implementation = "sdpa"
-        stock = model(input_ids=ids, attention_mask=mask).logits
+    module = tiny_model("bamba").model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 16, generator=g) for h in (4, 2, 2))  # [B, H, T, d]
+    ours, _ = attention.upcast_sdpa_forward(module, q, k, v, None, scaling=0.25, is_causal=True)
+    stock, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25, is_causal=True)
     assert torch.equal(ours, stock)
 
 
@@ -94,3 +77,39 @@ def test_uncached_left_padded_call_uses_rollout_positions(compiled):
     real = mask.bool()
     assert torch.equal(got[real], ref[real])
     assert not torch.equal(slots[1][real[1]], ref[1][real[1]]), "slot positions round alike: the test shows nothing"
+
+
+def _inkling_pair():
+    """The tiny Inkling (attention with a learned ``position_bias`` and sliding layers) wrapped in bf16, and the same
+    weights wrapped in float64 (experts ``eager``: grouped_mm has no float64) as the reference."""
+    ref = tiny_model("inkling_text").double()
+    ref.set_experts_implementation("eager")
+    return safepad.wrap(tiny_model("inkling_text", dtype=torch.bfloat16)), safepad.wrap(ref)
+
+
+def test_inkling_bf16_position_bias_padded_batch_equals_each_row_alone():
+    """bf16 Inkling: its ``position_bias`` (a kwarg of the attention call, which transformers' sdpa turns into the
+    additive mask) joins the float64 attention; before, it stayed bf16 next to float64 queries and sdpa raised
+    "Expected attn_mask dtype to be bool or float or to match query dtype". A left-padded batch forward and a greedy
+    ``generate`` give each row the logits of that row alone through the same model, within the bf16 model's own
+    error against float64 (measured here; a padding defect is orders above it)."""
+    model, ref = _inkling_pair()
+    assert model.config._attn_implementation == attention.UPCAST_SDPA
+    ids, mask = _ids(B=2, T=9)
+    gen = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits.double()  # [B, T, V]
+        out = model.generate(input_ids=ids, attention_mask=mask, **gen)
+        for b in range(2):
+            row = ids[b][mask[b].bool()][None]  # [1, n]
+            alone = model(input_ids=row).logits[0].double()  # [n, V]
+            noise = (alone - ref(input_ids=row).logits[0]).abs().max()
+            assert 0 < noise < 0.05, noise  # bf16 rounding, not a layout error
+            assert (batch[b][mask[b].bool()] - alone).abs().max() <= noise
+            alone_gen = model.generate(input_ids=row, **gen)
+            ref_gen = ref.generate(input_ids=row, **gen)
+            got = torch.stack([step[b] for step in out.logits]).double()  # [new, V]
+            want = torch.stack([step[0] for step in alone_gen.logits]).double()
+            gen_noise = (want - torch.stack([step[0] for step in ref_gen.logits])).abs().max()
+            assert torch.equal(out.sequences[b, ids.shape[1]:], alone_gen.sequences[0, row.shape[1]:])
+            assert (got - want).abs().max() <= gen_noise
