@@ -56,6 +56,8 @@ from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
 from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
 from .traced_slot_calls import traced_slot_step
+from ..serving.paged_cache import SafepadPagedCache
+from ..serving.manager import SafepadContinuousBatching
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 
@@ -95,9 +97,24 @@ def install_model_hooks(model: nn.Module) -> None:
             # transformers compiles model.__call__ for generate's decode steps, whose hooks dynamo then compiles as
             # frames of their own: compile a call from safepad's frame, one frame with the hooks (SafepadCompiledCall)
             target.__dict__.setdefault("get_compiled_call", SafepadCompiledCall(target))
+        if callable(getattr(type(target), "init_continuous_batching", None)):
+            # generate_batch / the continuous-batching manager: paged attention plus a recurrent-state slot per request
+            target.__dict__.setdefault("init_continuous_batching", SafepadContinuousBatching(target))
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
+
+
+def _serving_step(kwargs: dict, ids):
+    """The step a continuous-batching call's :class:`~safepad.serving.SafepadPagedCache` laid out, or None."""
+    if tracing():
+        return None
+    cache = cache_from_kwargs(kwargs)[1]
+    if not isinstance(cache, SafepadPagedCache):
+        return None
+    if ids is None or ids.dim() < 2 or ids.shape[0] != 1:
+        raise ValueError("a continuous-batching step is one packed row [1, T] of input_ids or inputs_embeds")
+    return cache.take_step(int(ids.shape[1]), ids.device)
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
@@ -154,6 +171,12 @@ class _ModelPreHook:
                 module._safepad.tokens.append(None)
                 return args, kwargs
             module._safepad.tokens.append(None)
+            return None
+        step = _serving_step(kwargs, ids)
+        if step is not None:
+            # a continuous-batching step (safepad.serving): the recurrent layers run each request's chunk from its
+            # slot; the attention layers read the paged cache as the call hands it to them, untouched
+            module._safepad.tokens.append(enter_call(CallContext(None, tuple(ids.shape[:2]), "serving", serving=step)))
             return None
         if module.training:
             hook_checkpoint_functions(plan.checkpointed)
