@@ -43,6 +43,8 @@ SERVED_FAMILIES = (
     "olmo_hybrid",
     "qwen3_5_text",
     "lfm2_moe",
+    "kimi_linear",
+    "qwen3_5_moe_text",
 )
 TOL = 1e-4
 NEW = 6
@@ -229,3 +231,16 @@ def test_cache_keeps_pages_for_attention_layers_only():
     (allocator,) = cache.cache_allocators.values()
     assert allocator.layer_indices == [0] and allocator.pages_per_block == 1
     assert cache.slots.num_slots == 3 and cache.slots.num_free == 3
+
+
+def test_request_too_long_for_the_cache_fails_alone():
+    """A prompt the paged cache cannot hold (60 tokens, 4 blocks of 8) fails with transformers' scheduler error; the
+    request next to it completes, equal to its prompt alone."""
+    stock, model = _models("lfm2")
+    gen = GenerationConfig(do_sample=False, max_new_tokens=4, eos_token_id=-1, pad_token_id=0)
+    prompts = [list(range(3, 63)), [5, 6, 7]]
+    out = model.generate_batch(prompts, generation_config=gen, warmup=False,
+                               continuous_batching_config=_cb_config(num_blocks=4, max_requests_per_batch=2))  # fmt: skip
+    assert "No requests can be scheduled" in str(out["req_0"].error)
+    assert list(out["req_0"].generated_tokens) == []
+    _check_greedy(stock, prompts[1], out["req_1"], 4)
