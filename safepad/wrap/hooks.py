@@ -176,7 +176,10 @@ class _ModelPreHook:
         if step is not None:
             # a continuous-batching step (safepad.serving): the recurrent layers run each request's chunk from its
             # slot; the attention layers read the paged cache as the call hands it to them, untouched
-            module._safepad.tokens.append(enter_call(CallContext(None, tuple(ids.shape[:2]), "serving", serving=step)))
+            ctx = CallContext(None, tuple(ids.shape[:2]), "serving", serving=step)
+            if step.mask is not None:  # the rows are right-padded by construction: no host read of the mask
+                ctx.layouts[(id(step.mask), (step.N, step.L))] = (step.mask, step.mask, None)
+            module._safepad.tokens.append(enter_call(ctx))
             return None
         if module.training:
             hook_checkpoint_functions(plan.checkpointed)
