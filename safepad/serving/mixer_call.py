@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from ..context import BOUNDARY_KWARGS, current_context
-from .step import ServingStep, SlotRowsCache
+from .step import RowGroup, ServingStep, SlotRowsCache
 
 __all__ = ["SERVED_KINDS", "serving_mixer_call", "serving_step"]
 
@@ -38,24 +38,34 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature:
 
 
 def serving_mixer_call(module: Any, generic: Callable[..., Any], step: ServingStep, args: tuple, kwargs: dict) -> Any:
-    """``generic(module, *args, **kwargs)`` run on the rows of ``step``; its ``[N, L, D]`` output packed back."""
-    from transformers.generation.continuous_batching.cache import PagedAttentionCache
-
+    """``generic(module, *args, **kwargs)`` run once per row group of ``step`` (its decode steps, its prefill
+    chunks), each on its rows ``[n, L, D]`` and its slots; the outputs packed back to ``[1, T, D]``."""
     sig = _signature(generic)
     bound = sig.bind(module, *args, **kwargs)
-    arguments = bound.arguments
     names = list(sig.parameters)
-    hidden_name = names[1]
-    hidden = arguments[hidden_name]
+    hidden = bound.arguments[names[1]]
     if not isinstance(hidden, Tensor) or hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, step.T):
         raise ValueError(
             f"{type(module).__name__}: a continuous-batching step of {step.T} packed tokens reached this mixer with "
             f"hidden states of shape {tuple(getattr(hidden, 'shape', ()))}; expected [1, {step.T}, D]"
         )
-    arguments[hidden_name] = step.unpack(hidden)  # [N, L, D]
-    rows_cache = SlotRowsCache(step)
+    outs = [_group_call(generic, sig, names, bound, group, hidden) for group in step.groups]
+    if isinstance(outs[0], tuple):
+        return (step.pack([o[0] for o in outs]), *outs[0][1:])
+    return step.pack(outs)
+
+
+def _group_call(generic, sig: inspect.Signature, names: list[str], bound, group: RowGroup, hidden: Tensor) -> Any:
+    """The mixer on one row group: its rows, its mask, a cache view of its slots."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    arguments = dict(bound.arguments)
+    arguments[names[1]] = group.unpack(hidden)  # [n, L, D]
+    rows_cache = SlotRowsCache(group)
     var_kw = next((n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    extra = arguments.get(var_kw, {}) if var_kw is not None else {}
+    extra = dict(arguments.get(var_kw, {})) if var_kw is not None else {}
+    if var_kw is not None:
+        arguments[var_kw] = extra
     for space in (arguments, extra):
         for name, value in list(space.items()):
             if isinstance(value, PagedAttentionCache):
@@ -63,13 +73,10 @@ def serving_mixer_call(module: Any, generic: Callable[..., Any], step: ServingSt
     for name in _PACKED_ONLY:
         extra.pop(name, None)
     if "attention_mask" in sig.parameters:
-        arguments["attention_mask"] = step.mask  # [N, L] right-padded rows, None when every chunk has L tokens
+        arguments["attention_mask"] = group.mask  # [n, L] right-padded rows, None when every chunk has L tokens
     else:
-        extra["attention_mask"] = step.mask
+        extra["attention_mask"] = group.mask
     if not any(v is rows_cache for v in (*arguments.values(), *extra.values())):
-        cache_param = names[2]
-        arguments[cache_param] = rows_cache  # the mixer was called without its cache: give it the step's
-    out = generic(*bound.args, **bound.kwargs)
-    if isinstance(out, tuple):
-        return (step.pack(out[0]), *out[1:])
-    return step.pack(out)
+        arguments[names[2]] = rows_cache  # the mixer was called without its cache: give it the step's
+    call = inspect.BoundArguments(sig, arguments)
+    return generic(*call.args, **call.kwargs)

@@ -5,10 +5,10 @@ transformers' continuous batching hands the model one packed row ``[1, T]``: the
 its keys and values from the paged cache; a recurrent layer must continue each request from that request's own
 state (its slot, :mod:`safepad.serving.slots`) and leave its new state there.
 
-:class:`ServingStep` lays the packed tokens out as ``[N, L]`` right-padded rows (``N`` requests, ``L`` the longest
-chunk; a decode-only step is ``[N, 1]`` with no padding), so every wrapped mixer runs its padded cached path, the
-one checked against each sequence alone for every family, on a :class:`SlotRowsCache`: a cache whose row ``n`` is
-request ``n``'s slot, gathered before the mixer reads it (zeros for a request whose chunk starts its sequence) and
+:class:`ServingStep` lays the packed tokens out as right-padded rows, one per request, in at most two groups (the
+one-token decode steps ``[n, 1]``, the prefill chunks ``[n, L]``, ``L`` the longest chunk), so every wrapped mixer
+runs its padded cached path, the one checked against each sequence alone for every family, once per group, on a
+:class:`SlotRowsCache`: a cache whose row ``r`` is the slot of the group's request ``r``, gathered before the mixer reads it (zeros for a request whose chunk starts its sequence) and
 scattered back when the mixer writes it. The indices are built once per step on the host from the scheduler's own
 lists (one host-to-device copy, no device read) and every gather / scatter runs on the device.
 """
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .slots import RecurrentSlots
 
-__all__ = ["ServingStep", "SlotRowsCache", "StepEntry"]
+__all__ = ["RowGroup", "ServingStep", "SlotRowsCache", "StepEntry"]
 
 
 @dataclass(frozen=True)
@@ -35,56 +35,84 @@ class StepEntry:
     query_length: int
 
 
-class ServingStep:
-    """The row layout of one step (``entries`` in the packed order) and the slots behind it.
+class RowGroup:
+    """Some requests of a step laid out as ``[n, L]`` right-padded rows (``L`` their longest chunk).
 
     Attributes:
-        T: packed tokens of the step; ``N`` requests; ``L`` the longest chunk.
-        slots: ``[N]`` int64 slot of each row; ``fresh``: ``[N]`` bool, the row's chunk starts its sequence.
-        row_index: ``[N, L]`` int64 packed position of each row token (0 at pads); ``mask``: ``[N, L]`` bool real
-            tokens (None when every chunk has ``L`` tokens); ``pack_index``: ``[T]`` int64 flat ``n * L + j`` of each
-            packed token.
+        n, L: rows and columns; ``tokens``: the group's real tokens.
+        slots: ``[n]`` int64 slot of each row; ``fresh``: ``[n]`` bool, the row's chunk starts its sequence.
+        row_index: ``[n, L]`` int64 packed position of each row token (0 at pads); ``mask``: ``[n, L]`` bool real
+            tokens (None when every chunk has ``L`` tokens); ``dest``: ``[tokens]`` packed position of each real
+            token and ``real_flat``: ``[tokens]`` its flat row position ``r * L + j``, in the same order.
     """
+
+    def __init__(self, entries: list[StepEntry], starts: list[int], store: RecurrentSlots, device: torch.device):
+        lengths = [e.query_length for e in entries]
+        self.entries = entries
+        self.store = store
+        self.n, self.L, self.tokens = len(entries), max(lengths), sum(lengths)
+        row_index, dest, real_flat = [], [], []
+        for r, (q, start) in enumerate(zip(lengths, starts)):
+            row_index.extend(list(range(start, start + q)) + [0] * (self.L - q))
+            dest.extend(range(start, start + q))
+            real_flat.extend(range(r * self.L, r * self.L + q))
+        small = torch.tensor(
+            [[e.slot for e in entries], [int(e.past_length == 0) for e in entries], lengths], dtype=torch.int64
+        ).to(device, non_blocking=True)
+        big = torch.tensor(row_index + dest + real_flat, dtype=torch.int64).to(device, non_blocking=True)
+        self.slots = small[0]  # [n]
+        self.fresh = small[1].bool()  # [n]
+        self.row_index = big[: self.n * self.L].view(self.n, self.L)  # [n, L]
+        self.dest = big[self.n * self.L : self.n * self.L + self.tokens]  # [tokens]
+        self.real_flat = big[self.n * self.L + self.tokens :]  # [tokens]
+        padded = any(q != self.L for q in lengths)
+        self.mask = (torch.arange(self.L, device=device)[None, :] < small[2][:, None]) if padded else None
+
+    def __repr__(self) -> str:
+        return f"RowGroup(n={self.n}, L={self.L})"
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """``packed`` ``[1, T, ...]`` -> this group's rows ``[n, L, ...]`` (pads hold a copy of token 0; masked)."""
+        rows = packed[0].index_select(0, self.row_index.reshape(-1))  # [n * L, ...]
+        return rows.view(self.n, self.L, *packed.shape[2:])
+
+    def pack_into(self, out: Tensor, rows: Tensor) -> None:
+        """Write the real tokens of ``rows`` ``[n, L, ...]`` at their packed positions of ``out`` ``[T, ...]``."""
+        flat = rows.reshape(self.n * self.L, *rows.shape[2:])
+        out.index_copy_(0, self.dest, flat.index_select(0, self.real_flat).to(out.dtype))
+
+
+class ServingStep:
+    """One step's requests (``entries``, in the packed order) as row groups: the one-token decode steps as ``[n, 1]``
+    rows and the prefill chunks as ``[n, L]`` right-padded rows (``L`` the longest chunk), so that a long chunk
+    next to many decode steps does not pad each of them to its length. ``T``: the packed tokens of the step."""
 
     def __init__(self, entries: list[StepEntry], slots: RecurrentSlots, device: torch.device) -> None:
         if not entries:
             raise ValueError("a continuous-batching step with no request")
         self.entries = entries
         self.store = slots
-        lengths = [e.query_length for e in entries]
-        self.N, self.L, self.T = len(entries), max(lengths), sum(lengths)
-        starts, row_index, pack_index = [], [], []
-        start = 0
-        for n, q in enumerate(lengths):
+        starts, start = [], 0
+        for e in entries:
             starts.append(start)
-            row_index.extend(list(range(start, start + q)) + [0] * (self.L - q))
-            pack_index.extend(range(n * self.L, n * self.L + q))
-            start += q
-        host = torch.tensor(
-            [[e.slot for e in entries], [int(e.past_length == 0) for e in entries], lengths], dtype=torch.int64
-        )
-        big = torch.tensor([row_index, pack_index[: len(row_index)] + [0] * (len(row_index) - len(pack_index))])
-        host_dev = host.to(device, non_blocking=True)
-        big_dev = big.to(device, non_blocking=True)
-        self.slots = host_dev[0]  # [N]
-        self.fresh = host_dev[1].bool()  # [N]
-        self.row_index = big_dev[0].view(self.N, self.L)  # [N, L]
-        self.pack_index = big_dev[1, : self.T]  # [T]
-        padded = any(q != self.L for q in lengths)
-        self.mask = (torch.arange(self.L, device=device)[None, :] < host_dev[2][:, None]) if padded else None
+            start += e.query_length
+        self.T = start
+        self.groups: list[RowGroup] = []
+        for decode in (True, False):
+            picked = [i for i, e in enumerate(entries) if (e.query_length == 1) == decode]
+            if picked:
+                self.groups.append(RowGroup([entries[i] for i in picked], [starts[i] for i in picked], slots, device))
 
     def __repr__(self) -> str:
-        return f"ServingStep(N={self.N}, L={self.L}, T={self.T})"
+        return f"ServingStep(T={self.T}, groups={self.groups})"
 
-    def unpack(self, packed: Tensor) -> Tensor:
-        """``packed`` ``[1, T, ...]`` -> rows ``[N, L, ...]`` (pads hold the row's... first token; masked anyway)."""
-        rows = packed[0].index_select(0, self.row_index.reshape(-1))  # [N * L, ...]
-        return rows.view(self.N, self.L, *packed.shape[2:])
-
-    def pack(self, rows: Tensor) -> Tensor:
-        """rows ``[N, L, ...]`` -> ``[1, T, ...]`` in the packed order."""
-        flat = rows.reshape(self.N * self.L, *rows.shape[2:])
-        return flat.index_select(0, self.pack_index)[None]
+    def pack(self, group_rows: list[Tensor]) -> Tensor:
+        """The groups' rows (``[n, L, ...]`` each, in :attr:`groups` order) -> ``[1, T, ...]`` in the packed order."""
+        first = group_rows[0]
+        out = first.new_empty((self.T, *first.shape[2:]))
+        for group, rows in zip(self.groups, group_rows):
+            group.pack_into(out, rows)
+        return out[None]
 
 
 class _LayerView:
@@ -99,9 +127,9 @@ class SlotRowsCache:
     ``get_conv_state`` / ``get_recurrent_state`` / ``update_conv_state`` / ``update_recurrent_state`` /
     ``layers[i].has_previous_state``). Reads gather the slots and zero the rows of fresh requests; writes scatter."""
 
-    def __init__(self, step: ServingStep) -> None:
-        self.step = step
-        self.store = step.store
+    def __init__(self, group: RowGroup) -> None:
+        self.step = group
+        self.store = group.store
 
     @property
     def layers(self) -> _Layers:

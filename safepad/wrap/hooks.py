@@ -177,8 +177,9 @@ class _ModelPreHook:
             # a continuous-batching step (safepad.serving): the recurrent layers run each request's chunk from its
             # slot; the attention layers read the paged cache as the call hands it to them, untouched
             ctx = CallContext(None, tuple(ids.shape[:2]), "serving", serving=step)
-            if step.mask is not None:  # the rows are right-padded by construction: no host read of the mask
-                ctx.layouts[(id(step.mask), (step.N, step.L))] = (step.mask, step.mask, None)
+            for group in step.groups:  # rows right-padded by construction: no host read of their mask
+                if group.mask is not None:
+                    ctx.layouts[(id(group.mask), (group.n, group.L))] = (group.mask, group.mask, None)
             module._safepad.tokens.append(enter_call(ctx))
             return None
         if module.training:

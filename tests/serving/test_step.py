@@ -27,23 +27,35 @@ def _step(lengths: list[int], pasts: list[int], slots: list[int], store: Recurre
 
 @pytest.mark.parametrize(
     "lengths",
-    [pytest.param([3, 1, 5], id="mixed"), pytest.param([1, 1, 1, 1], id="decode"), pytest.param([7], id="one")],
+    [
+        pytest.param([3, 1, 5, 1], id="mixed"),
+        pytest.param([1, 1, 1, 1], id="decode"),
+        pytest.param([7], id="one"),
+        pytest.param([4, 4], id="equal-chunks"),
+    ],
 )
 def test_rows_hold_each_requests_chunk_and_pack_back(lengths):
-    """Row n of ``unpack`` is request n's chunk of the packed row (its real columns), and ``pack`` inverts it."""
+    """The decode steps form one group of ``[n, 1]`` rows and the prefill chunks one of right-padded ``[n, L]`` rows;
+    each row holds its request's chunk of the packed row, and ``pack`` puts the groups' rows back in packed order."""
     store = RecurrentSlots(8, "cpu")
     step = _step(lengths, [0] * len(lengths), list(range(len(lengths))), store)
     T = sum(lengths)
     packed = torch.randn(1, T, 4, dtype=torch.float64)
-    rows = step.unpack(packed)  # [N, L, 4]
-    assert rows.shape == (len(lengths), max(lengths), 4)
-    start = 0
-    for n, q in enumerate(lengths):
-        torch.testing.assert_close(rows[n, :q], packed[0, start : start + q], rtol=0, atol=0)
-        if step.mask is not None:
-            assert step.mask[n].tolist() == [True] * q + [False] * (max(lengths) - q)
-        start += q
-    assert (step.mask is None) == (len(set(lengths)) == 1)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    decode = [i for i, q in enumerate(lengths) if q == 1]
+    prefill = [i for i, q in enumerate(lengths) if q > 1]
+    expected = [g for g in (decode, prefill) if g]
+    assert [[int(e.request_id[1:]) for e in group.entries] for group in step.groups] == expected
+    rows = [group.unpack(packed) for group in step.groups]
+    for group, members, r in zip(step.groups, expected, rows):
+        L = max(lengths[i] for i in members)
+        assert r.shape == (len(members), L, 4)
+        for row, i in enumerate(members):
+            q = lengths[i]
+            torch.testing.assert_close(r[row, :q], packed[0, starts[i] : starts[i] + q], rtol=0, atol=0)
+            if group.mask is not None:
+                assert group.mask[row].tolist() == [True] * q + [False] * (L - q)
+        assert (group.mask is None) == (len({lengths[i] for i in members}) == 1)
     torch.testing.assert_close(step.pack(rows), packed, rtol=0, atol=0)
 
 
@@ -53,8 +65,9 @@ def test_cache_view_reads_slots_zeroes_fresh_rows_and_writes_back():
     store = RecurrentSlots(4, "cpu")
     seed = torch.arange(4 * 2 * 3, dtype=torch.float32).view(4, 2, 3) + 1  # every slot non-zero
     store.write(0, "conv", 0, torch.arange(4), seed)
-    step = _step([2, 1], pasts=[0, 5], slots=[3, 1], store=store)  # slot 3 reused by a fresh request
-    view = SlotRowsCache(step)
+    step = _step([2, 3], pasts=[0, 5], slots=[3, 1], store=store)  # slot 3 reused by a fresh request
+    (group,) = step.groups
+    view = SlotRowsCache(group)
     got = view.get_conv_state(0)
     torch.testing.assert_close(got[0], torch.zeros(2, 3))
     torch.testing.assert_close(got[1], seed[1])
