@@ -11,8 +11,8 @@ recurrent layer types (continuous_batching/cache.py:66).
 What a session refuses, each with a ``ValueError`` naming why: a model without attention layers, a layer type or a
 mixer kind this module does not serve, ``num_return_sequences > 1`` (a fork would copy the recurrent state), CPU
 offloading (``cpu_offload_space > 0``: the restored request would lack its state), CUDA graphs and compiled steps
-(the slot indices of a step are built by the host for each step; a replayed graph would reuse stale ones), and a
-transformers release other than the one this code follows (5.25).
+(the slot indices of a step are built by the host for each step; a replayed graph would reuse stale ones),
+asynchronous batching (not checked), and a transformers release other than the one this code follows (5.25).
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ def _check_cb_config(cb_config: ContinuousBatchingConfig) -> ContinuousBatchingC
         raise ValueError(
             "compiled continuous-batching steps pad their inputs and fix the step's slots at trace time; safepad's "
             "continuous batching runs them eagerly: leave varlen_compile_config / decode_compile_config unset"
+        )
+    if cb_config.use_async_batching:
+        raise ValueError(
+            "use_async_batching=True: asynchronous batching prepares a step while the previous one runs, which "
+            "safepad's continuous batching has not been checked with; leave use_async_batching unset or False"
         )
     if cb_config.cpu_offload_space:
         raise ValueError(

@@ -28,7 +28,7 @@ from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
 from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 from ..specs.unsupported import unsupported_reason
-from ..serving.manager import SafepadContinuousBatching
+from ..serving.manager import SafepadContinuousBatching, SafepadContinuousBatchingManager
 from ..serving.mixer_call import serving_mixer_call, serving_step
 from .attention import restore_sdpa, use_upcast_sdpa
 from .checkpoint import _CheckpointWithContext
@@ -293,5 +293,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             del module.__dict__["get_compiled_call"]
         if isinstance(module.__dict__.get("init_continuous_batching"), SafepadContinuousBatching):
             del module.__dict__["init_continuous_batching"]
+        if isinstance(module.__dict__.get("_cached_continuous_batching_manager"), SafepadContinuousBatchingManager):
+            module.destroy_cached_continuous_batching_manager()  # (persistent_manager=True) it serves wrapped mixers
     restore_sdpa(model)
     return model

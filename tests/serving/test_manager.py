@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import safepad
-from safepad.serving import SafepadContinuousBatching, SafepadPagedCache
+from safepad.serving import SafepadContinuousBatching, SafepadContinuousBatchingManager, SafepadPagedCache
 from safepad.testing.tiny import tiny_model
 from safepad.wrap.attention import restore_sdpa
 
@@ -201,6 +201,7 @@ def test_families_it_cannot_serve_raise(family, match):
         pytest.param({"num_return_sequences": 2, "do_sample": True}, {}, "num_return_sequences", id="fork"),
         pytest.param({}, {"cpu_offload_space": 1.0}, "cpu_offload_space", id="cpu-offload"),
         pytest.param({}, {"use_cuda_graph": True}, "use_cuda_graph", id="cuda-graphs"),
+        pytest.param({}, {"use_async_batching": True}, "use_async_batching", id="async"),
     ],
 )
 def test_unsupported_options_raise(gen_kwargs, cb_kwargs, match):
@@ -211,11 +212,24 @@ def test_unsupported_options_raise(gen_kwargs, cb_kwargs, match):
 
 
 def test_wrap_installs_and_unwrap_removes_the_entry_point():
-    _, model = _models("lfm2")
+    """A manager kept by ``persistent_manager=True`` serves a second session (its slots still hold the first
+    session's states: every request must start from zeros); unwrap removes the entry point and that manager (it
+    serves wrapped mixers)."""
+    stock, model = _models("lfm2")
     assert isinstance(model.__dict__["init_continuous_batching"], SafepadContinuousBatching)
     assert "SafepadContinuousBatching" in repr(model.init_continuous_batching)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=-1, pad_token_id=0)
+    for seed in (3, 4):
+        prompts = _prompts([6, 2, 11, 4], seed=seed)
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=_cb_config(),
+                                   warmup=False, persistent_manager=True)  # fmt: skip
+        assert len(out) == len(prompts)  # in the prompts' order; a kept manager numbers requests on from req_4
+        for prompt, result in zip(prompts, out.values()):
+            _check_greedy(stock, prompt, result, 3)
+    assert isinstance(model.__dict__.get("_cached_continuous_batching_manager"), SafepadContinuousBatchingManager)
     safepad.unwrap(model)
     assert "init_continuous_batching" not in model.__dict__
+    assert "_cached_continuous_batching_manager" not in model.__dict__
     assert not isinstance(getattr(model, "init_continuous_batching"), SafepadContinuousBatching)
 
 
