@@ -12,7 +12,8 @@ What a session refuses, each with a ``ValueError`` naming why: a model without a
 mixer kind this module does not serve, ``num_return_sequences > 1`` (a fork would copy the recurrent state), CPU
 offloading (``cpu_offload_space > 0``: the restored request would lack its state), CUDA graphs and compiled steps
 (the slot indices of a step are built by the host for each step; a replayed graph would reuse stale ones),
-asynchronous batching (not checked), and a transformers release other than the one this code follows (5.25).
+asynchronous batching (not checked), and a transformers release outside 5.23-5.25 (whose batch processor this
+module builds as they do).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SafepadContinuousBatching", "SafepadContinuousBatchingManager", "check_servable"]
 
-#: the transformers minor release whose continuous-batching internals this module follows
-SERVED_TRANSFORMERS = "5.25"
+#: the transformers minor releases whose batch-processor construction (``_create_batch_processor``,
+#: ``init_continuous_batching``) this module follows: identical in 5.23 and 5.25, both run by the tests
+SERVED_TRANSFORMERS = ("5.23", "5.24", "5.25")
 
 
 class _RecurrentLayers:
@@ -59,10 +61,11 @@ def _text_config(model: Any) -> Any:
 def check_servable(model: Any) -> None:
     """Raise ``ValueError`` naming why ``model`` (wrapped) cannot be served by continuous batching; else None."""
     version = ".".join(transformers.__version__.split(".")[:2])
-    if version != SERVED_TRANSFORMERS:
+    if version not in SERVED_TRANSFORMERS:
         raise ValueError(
-            f"safepad's continuous batching follows transformers {SERVED_TRANSFORMERS}'s batch processor; "
-            f"transformers {transformers.__version__} is installed: pip install 'transformers>=5.25,<5.26'"
+            f"safepad's continuous batching builds transformers' batch processor as transformers "
+            f"{SERVED_TRANSFORMERS[0]}-{SERVED_TRANSFORMERS[-1]} do; transformers {transformers.__version__} is "
+            "installed: pip install 'transformers>=5.23,<5.26'"
         )
     config = _text_config(model)
     model_type = getattr(config, "model_type", type(model).__name__)
@@ -75,15 +78,22 @@ def check_servable(model: Any) -> None:
     unknown = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES})
     if unknown:
         raise ValueError(
-            f"{model_type}: layer types {unknown} are neither attention nor a recurrent layer safepad serves "
-            f"(layers that hold both keys / values and a recurrent state are not supported); continuous batching is "
-            "not available for it (use model.generate)"
+            f"{model_type}: layer types {unknown} are neither attention types transformers' paged cache pages "
+            f"({', '.join(ATTENTION_LAYER_TYPES)}) nor layers without keys / values ({', '.join(RECURRENT_LAYER_TYPES)}); "
+            "a layer that holds keys / values next to a recurrent state, or indexed attention, is not served: "
+            "continuous batching is not available for it (use model.generate)"
         )
     if not kv_layer_indices(config):
         raise ValueError(
             f"{model_type} has no attention layer: transformers' paged cache sizes itself by its attention layers "
             "(continuous_batching/cache.py PagedAttentionCache.__init__), so continuous batching cannot serve it; "
             "use model.generate with a padded batch instead"
+        )
+    if getattr(config, "kv_lora_rank", None) is not None and not hasattr(cb_cache, "MLACacheAllocator"):
+        raise ValueError(
+            f"{model_type}: its attention is multi-head latent attention (kv_lora_rank), which the paged cache of "
+            f"transformers {transformers.__version__} cannot hold (its MLA allocator came in 5.25: "
+            "continuous_batching/cache_allocators/compressed_latents.py): pip install 'transformers>=5.25,<5.26'"
         )
     for name, module in model.named_modules():
         spec = getattr(module, "_safepad_spec", None)
@@ -167,7 +177,7 @@ class SafepadContinuousBatchingManager(cb_api.ContinuousBatchingManager):
             )
 
     def _create_batch_processor(self) -> cb_api.ContinuousBatchProcessor:
-        """transformers 5.25's ``ContinuousBatchingManager._create_batch_processor`` with a :class:`SafepadPagedCache`
+        """transformers 5.23-5.25's ``ContinuousBatchingManager._create_batch_processor`` with a :class:`SafepadPagedCache`
         (one slot per request the batch may hold: ``max_requests_per_batch``)."""
         batch_processor = getattr(self, "batch_processor", None)
         if isinstance(batch_processor, cb_api.ContinuousBatchProcessor):

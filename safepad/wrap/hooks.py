@@ -105,6 +105,12 @@ def install_model_hooks(model: nn.Module) -> None:
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
 
 
+def _text_config(module: nn.Module):
+    config = getattr(module, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
 def _serving_step(kwargs: dict, ids):
     """The step a continuous-batching call's :class:`~safepad.serving.SafepadPagedCache` laid out, or None."""
     if tracing():
@@ -181,6 +187,13 @@ class _ModelPreHook:
                 if group.mask is not None:
                     ctx.layouts[(id(group.mask), (group.n, group.L))] = (group.mask, group.mask, None)
             module._safepad.tokens.append(enter_call(ctx))
+            masks = kwargs.get("attention_mask")
+            if isinstance(masks, dict):
+                # one mask per attention type (a model with full and sliding layers): the model looks every layer's
+                # type up in it, recurrent ones too, whose mixers take the step's rows instead (None here)
+                layer_types = getattr(_text_config(module), "layer_types", None) or ()
+                kwargs["attention_mask"] = {**dict.fromkeys(layer_types), **masks}
+                return args, kwargs
             return None
         if module.training:
             hook_checkpoint_functions(plan.checkpointed)

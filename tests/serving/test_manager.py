@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import cache as cb_cache
 
 import safepad
 from safepad.serving import SafepadContinuousBatching, SafepadContinuousBatchingManager, SafepadPagedCache
@@ -32,7 +33,8 @@ from ..wrap.helpers import family_param
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
-#: hybrids whose recurrent layers safepad serves (attention + Mamba2 / Mamba1 / gated delta / short conv)
+#: hybrids whose recurrent layers safepad serves (attention + Mamba2 / Mamba1 / gated delta / short conv); the
+#: others raise (test_families_it_cannot_serve_raise)
 SERVED_FAMILIES = (
     "lfm2",
     "qwen3_next",
@@ -45,6 +47,12 @@ SERVED_FAMILIES = (
     "lfm2_moe",
     "kimi_linear",
     "qwen3_5_moe_text",
+    "bailing_hybrid",
+    "lfm3",  # + sliding attention: the model looks every layer type up in the step's per-type masks
+    "lara_mini",  # + sliding attention
+    "lfm2_vl",  # vision-language wrappers, text requests
+    "qwen3_5",
+    "nemotron_h_omni",
 )
 TOL = 1e-4
 NEW = 6
@@ -111,11 +119,20 @@ def _check_greedy(stock, prompt: list[int], result, max_new: int) -> None:
         ids.append(token)
 
 
+#: multi-head latent attention (kv_lora_rank): transformers' paged cache holds it from 5.25 on
+MLA_FAMILIES = ("kimi_linear", "bailing_hybrid")
+MLA_PAGED = hasattr(cb_cache, "MLACacheAllocator")
+
+
 @pytest.mark.parametrize("family", [family_param(f) for f in SERVED_FAMILIES])
 def test_generate_batch_matches_each_prompt_alone(family):
     """Different lengths (1 to 40 tokens: the 40-token prompt is prefilled in chunks of at most 16 tokens across
     steps), more requests than slots (7 requests, 3 slots: slots are reused), log-probs."""
     stock, model = _models(family)
+    if family in MLA_FAMILIES and not MLA_PAGED:
+        with pytest.raises(ValueError, match="multi-head latent attention"):
+            model.init_continuous_batching(continuous_batching_config=_cb_config())
+        return
     prompts = _prompts([3, 9, 1, 40, 5, 17, 2])
     gen = GenerationConfig(do_sample=False, max_new_tokens=NEW, eos_token_id=-1, pad_token_id=0)
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=_cb_config(), warmup=False)
@@ -185,7 +202,9 @@ def test_sampling_draws_from_each_prompts_own_distribution(family):
     ("family", "match"),
     [
         pytest.param("mamba2", "no attention layer", id="mamba2-recurrent-only"),
-        pytest.param("falcon_h1", "neither attention nor a recurrent layer", id="falcon_h1-hybrid-layers"),
+        pytest.param("falcon_h1", "neither attention types", id="falcon_h1-hybrid-layers"),
+        pytest.param("glm5_next_text", "neither attention types", id="glm5_next-indexed-attention"),
+        pytest.param("recurrent_gemma", "rg_lru mixer", id="recurrent_gemma-rg_lru"),
     ],
 )
 def test_families_it_cannot_serve_raise(family, match):
