@@ -85,7 +85,7 @@ class SafepadPagedCache(PagedAttentionCache):
 
     # ------------------------------------------------------------------ attention: the parent, re-indexed
 
-    def update(self, key_states, value_states, layer_idx: int, kwargs: dict):  # noqa: D102 - the parent's
+    def update(self, key_states, value_states, layer_idx: int, kwargs: dict):
         return super().update(key_states, value_states, self._kv_index[layer_idx], kwargs)
 
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:

@@ -20,7 +20,6 @@ families drop ``**kwargs`` before their mixers. On packed calls it also:
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -46,18 +45,18 @@ from ..layout.normalize import (
     position_ids_from_seq_idx,
     restarts_at_real_tokens,
 )
+from ..serving.manager import SafepadContinuousBatching
+from ..serving.paged_cache import SafepadPagedCache
 from .attention_masks import packed_mask_mapping
-from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
+from .checkpoint import hook_checkpoint_functions
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .mask_history import check_mask_history, forget_mask_history
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs, mask_checked_by_generate
+from .mask_history import check_mask_history, forget_mask_history
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
 from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
 from .traced_slot_calls import traced_slot_step
-from ..serving.paged_cache import SafepadPagedCache
-from ..serving.manager import SafepadContinuousBatching
 
 __all__ = ["REAL_TOKEN_MASK", "ModelPlan", "install_model_hooks", "plan_for"]
 

@@ -26,10 +26,10 @@ from .. import specs as _specs  # noqa: F401 - registers the family specs
 from .._state import module_state
 from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
-from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
-from ..specs.unsupported import unsupported_reason
 from ..serving.manager import SafepadContinuousBatching, SafepadContinuousBatchingManager
 from ..serving.mixer_call import serving_mixer_call, serving_step
+from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
+from ..specs.unsupported import unsupported_reason
 from .attention import restore_sdpa, use_upcast_sdpa
 from .checkpoint import _CheckpointWithContext
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs

@@ -84,7 +84,7 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def _cb_config(**overrides) -> ContinuousBatchingConfig:
-    base = dict(num_blocks=64, max_batch_tokens=16, max_requests_per_batch=3, page_size=8, return_logprobs=True)
+    base = {"num_blocks": 64, "max_batch_tokens": 16, "max_requests_per_batch": 3, "page_size": 8, "return_logprobs": True}
     return ContinuousBatchingConfig(**{**base, **overrides})
 
 
@@ -249,7 +249,7 @@ def test_wrap_installs_and_unwrap_removes_the_entry_point():
     safepad.unwrap(model)
     assert "init_continuous_batching" not in model.__dict__
     assert "_cached_continuous_batching_manager" not in model.__dict__
-    assert not isinstance(getattr(model, "init_continuous_batching"), SafepadContinuousBatching)
+    assert not isinstance(model.init_continuous_batching, SafepadContinuousBatching)
 
 
 def test_cache_keeps_pages_for_attention_layers_only():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -95,14 +96,14 @@ def test_decode_steps_read_nothing_on_the_host(family):
         processor = manager._create_batch_processor()
         manager.batch_processor = processor
         for i in range(n):
-            processor.scheduler.add_waiting_request(
-                RequestState(request_id=f"r{i}", initial_tokens=list(range(5, 8 + 2 * i)), max_new_tokens=3,
-                             eos_token_id=-1)  # fmt: skip
-            )
+            prompt = list(range(5, 8 + 2 * i))
+            state = RequestState(request_id=f"r{i}", initial_tokens=prompt, max_new_tokens=3, eos_token_id=-1)
+            processor.scheduler.add_waiting_request(state)
         counts = []
+        step = functools.partial(processor._generation_step, model)
         while processor.prepare_next_batch():
             decode = processor.inputs_and_outputs.max_length_q == 1
-            counts.append((decode, count_syncs(lambda: processor._generation_step(model)).count))
+            counts.append((decode, count_syncs(step).count))
             processor.update_batch()
         assert [c for d, c in counts if d] == [0, 0], counts
         mixed[n] = [c for d, c in counts if not d]
