@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,6 +71,9 @@ class CallContext:
     token_mask: Tensor | None = None
     #: per-call memo of the mask analysis, so each layer of one call does not redo it (``safepad.mixers``)
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
+    #: a continuous-batching step (``safepad.serving.step.ServingStep``): the packed row is one chunk per request,
+    #: each continuing the recurrent state in its slot
+    serving: Any = None
 
     @property
     def packed(self) -> bool:

@@ -20,7 +20,6 @@ families drop ``**kwargs`` before their mixers. On packed calls it also:
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -46,13 +45,15 @@ from ..layout.normalize import (
     position_ids_from_seq_idx,
     restarts_at_real_tokens,
 )
+from ..serving.manager import SafepadContinuousBatching
+from ..serving.paged_cache import SafepadPagedCache
 from .attention import sync_upcast_sdpa, upcast_needed
 from .attention_masks import packed_mask_mapping
-from .checkpoint import hook_checkpoint_functions
 from .cache_rows import check_cache_rows, cover_row_ops
+from .checkpoint import hook_checkpoint_functions
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .mask_history import check_mask_history, forget_mask_history
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs, mask_checked_by_generate
+from .mask_history import check_mask_history, forget_mask_history
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
 from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
@@ -96,9 +97,30 @@ def install_model_hooks(model: nn.Module) -> None:
             # transformers compiles model.__call__ for generate's decode steps, whose hooks dynamo then compiles as
             # frames of their own: compile a call from safepad's frame, one frame with the hooks (SafepadCompiledCall)
             target.__dict__.setdefault("get_compiled_call", SafepadCompiledCall(target))
+        if callable(getattr(type(target), "init_continuous_batching", None)):
+            # generate_batch / the continuous-batching manager: paged attention plus a recurrent-state slot per request
+            target.__dict__.setdefault("init_continuous_batching", SafepadContinuousBatching(target))
         if callable(getattr(type(target), "prepare_inputs_for_generation", None)):
             # (and refuses right-padded prompts where generate builds the mask itself: safepad.cache)
             target.__dict__.setdefault("prepare_inputs_for_generation", SafepadPrepareInputs(target))
+
+
+def _text_config(module: nn.Module):
+    config = getattr(module, "config", None)
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
+def _serving_step(kwargs: dict, ids):
+    """The step a continuous-batching call's :class:`~safepad.serving.SafepadPagedCache` laid out, or None."""
+    if tracing():
+        return None
+    cache = cache_from_kwargs(kwargs)[1]
+    if not isinstance(cache, SafepadPagedCache):
+        return None
+    if ids is None or ids.dim() < 2 or ids.shape[0] != 1:
+        raise ValueError("a continuous-batching step is one packed row [1, T] of input_ids or inputs_embeds")
+    return cache.take_step(int(ids.shape[1]), ids.device)
 
 
 def _first_tensor(args, kwargs, names: tuple[str, ...], params: tuple[str, ...]):
@@ -158,6 +180,23 @@ class _ModelPreHook:
             return None
         # "sdpa" <-> "safepad_sdpa" by this call's dtype / device (host facts; a no-op after the first call of each)
         sync_upcast_sdpa(plan.attention_configs, upcast_needed(module, ids))
+        step = _serving_step(kwargs, ids)
+        if step is not None:
+            # a continuous-batching step (safepad.serving): the recurrent layers run each request's chunk from its
+            # slot; the attention layers read the paged cache as the call hands it to them, untouched
+            ctx = CallContext(None, tuple(ids.shape[:2]), "serving", serving=step)
+            for group in step.groups:  # rows right-padded by construction: no host read of their mask
+                if group.mask is not None:
+                    ctx.layouts[(id(group.mask), (group.n, group.L))] = (group.mask, group.mask, None)
+            module._safepad.tokens.append(enter_call(ctx))
+            masks = kwargs.get("attention_mask")
+            if isinstance(masks, dict):
+                # one mask per attention type (a model with full and sliding layers): the model looks every layer's
+                # type up in it, recurrent ones too, whose mixers take the step's rows instead (None here)
+                layer_types = getattr(_text_config(module), "layer_types", None) or ()
+                kwargs["attention_mask"] = {**dict.fromkeys(layer_types), **masks}
+                return args, kwargs
+            return None
         if module.training:
             hook_checkpoint_functions(plan.checkpointed)
         if ids is None or ids.dim() < 2:

@@ -26,6 +26,8 @@ from .. import specs as _specs  # noqa: F401 - registers the family specs
 from .._state import module_state
 from ..errors import UnsupportedModelError
 from ..mixers.common import probe_gated_norm
+from ..serving.manager import SafepadContinuousBatching, SafepadContinuousBatchingManager
+from ..serving.mixer_call import serving_mixer_call, serving_step
 from ..specs.registry import MixerSpec, all_specs, spec_for_module, supported_model_types
 from ..specs.unsupported import unsupported_reason
 from .attention import restore_sdpa, use_upcast_sdpa
@@ -57,6 +59,9 @@ def _patched_class(orig: type, spec: MixerSpec) -> type:
     generic = spec.forward_for(orig.__name__)  # chosen once per class, not on every call
 
     def forward(self, *args, **kwargs):
+        step = serving_step()
+        if step is not None:  # a continuous-batching step: the packed requests as rows, states from their slots
+            return serving_mixer_call(self, generic, step, args, kwargs)
         return generic(self, *args, **kwargs)
 
     children = spec.options.get("accelerate_children", ("conv1d",))
@@ -286,5 +291,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             del module.__dict__["prepare_inputs_for_generation"]
         if isinstance(module.__dict__.get("get_compiled_call"), SafepadCompiledCall):
             del module.__dict__["get_compiled_call"]
+        if isinstance(module.__dict__.get("init_continuous_batching"), SafepadContinuousBatching):
+            del module.__dict__["init_continuous_batching"]
+        if isinstance(module.__dict__.get("_cached_continuous_batching_manager"), SafepadContinuousBatchingManager):
+            module.destroy_cached_continuous_batching_manager()  # (persistent_manager=True) it serves wrapped mixers
     restore_sdpa(model)
     return model
