@@ -28,6 +28,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import cache as cb_cache
 from transformers.generation.continuous_batching import continuous_api as cb_api
 
+from ..wrap.attention import UPCAST_SDPA, upcast_needed
 from .mixer_call import SERVED_KINDS
 from .paged_cache import ATTENTION_LAYER_TYPES, RECURRENT_LAYER_TYPES, SafepadPagedCache, kv_layer_indices
 
@@ -94,6 +95,13 @@ def check_servable(model: Any) -> None:
             f"{model_type}: its attention is multi-head latent attention (kv_lora_rank), which the paged cache of "
             f"transformers {transformers.__version__} cannot hold (its MLA allocator came in 5.25: "
             "continuous_batching/cache_allocators/compressed_latents.py): pip install 'transformers>=5.25,<5.26'"
+        )
+    if upcast_needed(model):
+        raise ValueError(
+            f"{model_type}: a {next(model.parameters()).dtype} model on the CPU runs its attention in float64 under "
+            f"safepad (\"{UPCAST_SDPA}\", so that a one-query decode step rounds like the full forward), which "
+            "transformers' continuous batching does not take; serve it in float32 on the CPU (model.float()) or in "
+            "half precision on a CUDA device"
         )
     for name, module in model.named_modules():
         spec = getattr(module, "_safepad_spec", None)

@@ -228,6 +228,17 @@ def test_unsupported_options_raise(gen_kwargs, cb_kwargs, match):
         model.init_continuous_batching(generation_config=gen, continuous_batching_config=_cb_config(**cb_kwargs))
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_half_precision_on_cpu_raises_naming_the_fix(dtype):
+    """On the CPU a half-precision wrapped model computes attention in float64 (``"safepad_sdpa"``), which
+    transformers' continuous batching refuses by name; safepad says why and what to do instead."""
+    _, model = _models("lfm2")
+    model.to(dtype)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=2, eos_token_id=-1, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"float32 on the CPU \(model.float\(\)\)"):
+        model.generate_batch([[5, 6, 7]], generation_config=gen, continuous_batching_config=_cb_config(), warmup=False)
+
+
 def test_wrap_installs_and_unwrap_removes_the_entry_point():
     """A manager kept by ``persistent_manager=True`` serves a second session (its slots still hold the first
     session's states: every request must start from zeros); unwrap removes the entry point and that manager (it
