@@ -56,6 +56,7 @@ import inspect
 import itertools
 import logging
 import math
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -1133,13 +1134,21 @@ def audit(
 @torch.no_grad()
 def _reference_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A stock copy of ``model`` in ``dtype``, eval mode. Float64: transformers' grouped_mm MoE experts run eagerly
-    (grouped_mm has no float64), and the copy moves to the CPU when its device cannot run a float64 forward (a
-    package's Triton kernel), which the comparisons then bridge."""
+    (grouped_mm has no float64); what the model computes in float32 by design (``_keep_in_fp32_modules_strict``,
+    e.g. Inkling2's router, which casts its input to float32) stays float32, as in the stock model; and the copy
+    moves to the CPU when its device cannot run a float64 forward (a package's Triton kernel), which the
+    comparisons then bridge."""
     reference = copy.deepcopy(model).to(dtype).eval()
     if dtype != torch.float64:
         return reference
     if hasattr(reference, "set_experts_implementation"):
         reference.set_experts_implementation("eager")
+    keep = sorted(getattr(reference, "_keep_in_fp32_modules_strict", None) or ())
+    if keep:
+        pattern = re.compile("|".join(rf"(^|\.){re.escape(k)}(\.|$)" for k in keep))
+        for name, tensor in itertools.chain(reference.named_parameters(), reference.named_buffers()):
+            if tensor.is_floating_point() and pattern.search(name):
+                tensor.data = tensor.data.float()
     if next(reference.parameters()).device.type != "cpu":
         try:
             _probe(reference)
