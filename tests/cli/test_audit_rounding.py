@@ -66,7 +66,7 @@ def test_a_correct_wrapped_bf16_mamba_passes(tmp_path, capsys):
         ),
         pytest.param("qwen3_next", "bfloat16", "packed_position_ids,packed_cu_seq_lens", id="qwen3_next-bf16"),
         pytest.param("mamba2", "bfloat16", "left_pad_decode,decode_default", id="mamba2-bf16"),
-        pytest.param("nemotron_h", "float16", "left_pad_decode,decode_default", id="nemotron_h-fp16"),
+        pytest.param("qwen3_next", "float16", "right_pad_decode,left_pad_decode,generate", id="qwen3_next-fp16"),
     ],
 )
 def test_a_dt_bias_defect_fails_in_half_precision(tmp_path, capsys, family, dtype, scenarios):
