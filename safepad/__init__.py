@@ -49,6 +49,7 @@ _LAZY = {
     "PackingStats": "safepad.collators",
     "PaddingGuardCallback": "safepad.trainer_ext",
     "ShadowCheckCallback": "safepad.trainer_ext",
+    "RolloutGapCallback": "safepad.trainer_ext",
     "PackedGRPOMixin": "safepad.trainer_ext",
     "packed_logprobs": "safepad.rl",
     "packed_logprobs_and_entropy": "safepad.rl",

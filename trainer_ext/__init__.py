@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .callback import KIND_DROPPED_BOUNDARIES, KIND_TOKENIZER, PaddingGuardCallback
 from .grpo import GRPO_METHOD, GRPO_METHOD_PARAMS, PackedGRPOMixin
+from .rollout_gap import ROLLOUT_GAP_KEYS, RolloutGapCallback
 from .shadow import KIND_SHADOW_MISMATCH, SHADOW_TOLERANCES, ShadowCheckCallback, ShadowResult
 
 __all__ = [
@@ -12,9 +13,11 @@ __all__ = [
     "KIND_DROPPED_BOUNDARIES",
     "KIND_SHADOW_MISMATCH",
     "KIND_TOKENIZER",
+    "ROLLOUT_GAP_KEYS",
     "SHADOW_TOLERANCES",
     "PackedGRPOMixin",
     "PaddingGuardCallback",
+    "RolloutGapCallback",
     "ShadowCheckCallback",
     "ShadowResult",
 ]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..testing.scenarios import AUDIT_SCENARIOS, AuditReport, ScenarioResult, audit
+from ..testing.scenarios import AUDIT_SCENARIOS, ROUNDING_FACTOR, AuditReport, ScenarioResult, audit
 from ..testing.tiny import family_available, family_names, tiny_model
 from . import gradients as gradients_cmd
 
@@ -204,6 +204,8 @@ def _cell(r: ScenarioResult) -> str:
     if r.error is not None:
         return f"[red]raises {r.error.split(':')[0]}[/]"
     text = _fmt(r.max_abs_logits)
+    if r.rounding_factor is not None and r.rms_logits is not None and r.rounding_rms:
+        text += f" ({r.rms_logits / r.rounding_rms:.1f}x rnd)"  # RMS error / the stock model's own RMS rounding
     if r.same_dtype_error is not None:
         text += f" / {_fmt(r.same_dtype_error)}"  # against the model's own runs alone, same dtype
     if r.mismatched_tokens:
@@ -227,11 +229,18 @@ def _legend(tol: float, wrapped: bool, same_dtype_tol: float | None = None) -> s
     half = ()
     if same_dtype_tol is not None:
         half = (
-            "  a / b         half precision: a as above, against the float32 stock reference (a coarse check: rounding",
-            "                alone moves bf16 logits by ~0.02); b against each sequence run alone through the same",
-            f"                model in the same dtype (one-shot, no padding, no cache), within tol {same_dtype_tol:g} x",
-            "                max(1, largest |reference logit|) (half an ulp, or 4 x that reference's measured noise):",
-            "                b separates a layout defect (stock Bamba's decode past its dt floor) from rounding",
+            "  a (Nx rnd) / b  half precision: a as above, against the stock model in float64 (each sequence",
+            "                alone); the logits pass iff N, their RMS |Δ| from it over the stock model's own RMS",
+            "                rounding in this dtype on the same sequences (each alone, vs the same float64 reference),",
+            f"                is at most {ROUNDING_FACTOR:g} (--json: rms_logits, rounding_rms): a weight or math"
+            " defect",
+            "                fails, rounding does not; cached states keep tol. b: against each sequence run alone"
+            " through the same",
+            "                model in the same dtype (one-shot, no padding, no cache), within tol",
+            f"                {same_dtype_tol:g} x max(1, largest |reference logit|) (half an ulp, or 4 x that",
+            "                reference's measured noise): b separates a layout defect (stock Bamba's decode past"
+            " its dt",
+            "                floor) from rounding",
         )
     return "\n".join(
         (

@@ -28,6 +28,7 @@ from safepad.testing import (
     run_scenario,
     tiny_model,
 )
+from safepad.testing.scenarios import ROUNDING_FACTOR
 
 OK, BROKEN = 1e-3, 1e-3
 _TF525 = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 25)
@@ -268,22 +269,55 @@ def test_audit_rejects_bad_wrap_fns(monkeypatch):
     assert math.isfinite(run_scenario(tiny_model("lfm2"), tiny_model("lfm2"), "packed_position_ids").max_abs_logits)
 
 
-def test_half_precision_audit_uses_an_fp32_reference_and_a_same_dtype_check():
-    """Half precision: a coarse check against the float32 stock reference, and a tight one against each sequence
-    alone through the same model in the same dtype (stock mamba2 keeps its SSM state in bf16 between decode
-    steps, so its bf16 decode drifts from its own forward; the wrapped decode does not)."""
+def test_half_precision_audit_uses_a_float64_reference_and_a_same_dtype_check():
+    """Half precision: the logits against the float64 stock reference, within ROUNDING_FACTOR x the stock model's
+    own bf16 rounding on the same sequences, and a tight check against each sequence alone through the same model in
+    the same dtype (stock mamba2 keeps its SSM state in bf16 between decode steps, so its bf16 decode drifts from its
+    own forward; the wrapped decode does not)."""
     import safepad
 
     model = tiny_model("mamba2", dtype=torch.bfloat16)
     report = audit(model, safepad.wrap, ["right_pad_decode", "left_pad_decode", "generate"])
-    assert report.dtype == "bfloat16" and report.tol == 0.15
+    assert report.dtype == "bfloat16" and report.tol == 0.15  # the coarse tolerance bounds the cached states
     right, left, gen = report.stock
     assert right.passed is False and right.max_abs_logits > 1.0  # the padding bug is far above bf16 noise
-    for r in (left, gen):  # within bf16 rounding of the float32 reference; the same-dtype check is reported
-        assert r.max_abs_logits <= r.tol * max(1.0, r.logits_scale) and r.same_dtype_error is not None
+    for r in (left, gen):  # within bf16 rounding of the float64 reference; the same-dtype check is reported
+        assert r.rounding_factor == ROUNDING_FACTOR and r.logits_passed and r.same_dtype_error is not None
     assert not gen.mismatches_fail
     assert all(r.passed for r in report.wrapped), [(r.name, r.same_dtype_error) for r in report.wrapped]
     assert next(model.parameters()).dtype == torch.bfloat16  # the audited model is left as it was
+
+
+def test_rounding_budget_is_the_stock_models_own_rounding_on_the_scenarios_sequences():
+    """``rounding_rms`` = RMS of (stock bf16 - float64 copy) over the reference runs, recomputed here from the token
+    sequences the stock model was called with (each alone, one-shot)."""
+    import safepad
+
+    stock = tiny_model("nemotron_h", dtype=torch.bfloat16)
+    wide, wrapped = copy.deepcopy(stock).to(torch.float64), safepad.wrap(copy.deepcopy(stock))
+    seen = []
+    hook = stock.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
+    try:
+        res = run_scenario(wrapped, wide, "packed_position_ids", dtype_reference=stock)
+    finally:
+        hook.remove()
+    assert [s.shape[1] for s in seen] == [1, 3, 17, 33]  # the packed sequences, each alone
+    with torch.no_grad():
+        diffs = [(stock(ids).logits.double() - wide(ids).logits.double()).flatten() for ids in seen]
+    diff = torch.cat(diffs)
+    assert res.rounding_rms == pytest.approx(diff.square().mean().sqrt().item(), rel=1e-6)
+    assert res.rounding_max == pytest.approx(diff.abs().max().item(), rel=1e-6)
+    assert res.rounding_factor == ROUNDING_FACTOR and res.passed
+    assert res.rms_logits <= ROUNDING_FACTOR * res.rounding_rms
+
+
+def test_the_rounding_rule_needs_a_float64_reference_and_the_stock_model_in_the_models_dtype():
+    stock = tiny_model("mamba", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float64 stock reference"):
+        run_scenario(stock, copy.deepcopy(stock).float(), "packed_position_ids", dtype_reference=stock)
+    with pytest.raises(ValueError, match="dtype_reference"):
+        wide = copy.deepcopy(stock).double()
+        run_scenario(stock, wide, "packed_position_ids", dtype_reference=copy.deepcopy(stock).float())
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "mamba2", "falcon_mamba", "lfm2"])
