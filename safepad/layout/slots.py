@@ -28,6 +28,8 @@ import logging
 import torch
 from torch import Tensor
 
+from .._tracing import tracing
+
 __all__ = ["SlotJustifiedCall", "justified_mask", "justify_kv", "pads_first_order", "step_relay_index"]
 
 logger = logging.getLogger(__name__)
@@ -345,7 +347,9 @@ class SlotJustifiedCall:
 
     def step_index(self, shape: tuple[int, int, int], device: torch.device) -> tuple[Tensor, Tensor]:
         """:func:`step_relay_index` for cached slots of ``shape`` ``(B, H, S)`` on ``device``: made once per call
-        and shape, shared by the keys and values of every layer of that shape."""
+        and shape, shared by the keys and values of every layer of that shape (eager; traced, made for each)."""
+        if tracing():  # sizes may be symbolic: a dict key would specialise them (one recompile per decode step)
+            return step_relay_index(self.n_new, *shape, device)
         key = (*shape, device)
         if key not in self._step_index:
             self._step_index[key] = step_relay_index(self.n_new, *shape, device)
