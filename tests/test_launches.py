@@ -113,7 +113,8 @@ def _cases():
 
 
 def _check(ratio: float, ceiling: float | None, stock, wrapped) -> None:
-    """``ratio`` (wrapped's ops over stock's) within :data:`TARGET`, or within a recorded ``ceiling`` + :data:`SLACK`."""
+    """``ratio`` (wrapped's ops over stock's) within :data:`TARGET`, or within a recorded ``ceiling`` plus
+    :data:`SLACK`."""
     extra = wrapped.ops.copy()
     extra.subtract(stock.ops)
     limit = TARGET if ceiling is None else ceiling + SLACK

@@ -60,7 +60,11 @@ def step_relay_index(new_real: Tensor, B: int, H: int, S: int, device: torch.dev
 
 
 def justify_kv(
-    past: Tensor, new: Tensor, past_real: Tensor | None, new_real: Tensor, step_index: tuple[Tensor, Tensor] | None = None
+    past: Tensor,
+    new: Tensor,
+    past_real: Tensor | None,
+    new_real: Tensor,
+    step_index: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Re-lay ``[past ‖ new]`` so each row's pads come before all of its real slots.
 
@@ -190,7 +194,8 @@ class _JustifyingIndexerUpdate:
                 )
             past_real = None if self.decode else _last_slots(self.call.past_slots, stored)  # [B, stored]
             index = self.call.step_index((stored_keys.shape[0], 1, stored), stored_keys.device) if self.decode else None
-            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real, index)  # [B, 1, S|T, F]
+            # [B, 1, S|T, F]
+            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real, index)
             layer.indexer_keys, states = past[:, 0], new[:, 0]
         return self.original(states, layer_idx, *args, **kwargs)
 

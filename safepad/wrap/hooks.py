@@ -177,7 +177,8 @@ class _ModelPreHook:
             # the caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones
             check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
-        # generate's own next token (a host-side fact, eager only): every row's token is real, no mask reaches the mixers
+        # generate's own next token (a host-side fact, eager only): every row's token is real, no mask reaches the
+        # mixers
         generated = not traced and generated_step(module, T, _two_d_mask(kwargs.get("attention_mask")))
         if traced:
             # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do

@@ -74,7 +74,8 @@ _RECURRENCE_SITES = {"nemotron_h": "ops/ssd.py", "qwen3_next": "ops/delta_rule.p
 
 @pytest.mark.parametrize("family", [pytest.param("nemotron_h", id="ssd"), pytest.param("qwen3_next", id="delta_rule")])
 @pytest.mark.parametrize(
-    "device, recurrence_matmul", [pytest.param("cuda", F32, id="cuda_policy"), pytest.param("cpu", F64, id="cpu_policy")]
+    "device, recurrence_matmul",
+    [pytest.param("cuda", F32, id="cuda_policy"), pytest.param("cpu", F64, id="cpu_policy")],
 )
 def test_matmul_dtypes_of_a_bf16_model(family, device, recurrence_matmul, monkeypatch):
     """bf16 projections (every ``nn.Linear`` of the model: bf16 inputs), the recurrence's matmuls in

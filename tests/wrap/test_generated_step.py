@@ -44,7 +44,9 @@ def _prompt(side: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-@pytest.mark.parametrize("family", [pytest.param("nemotron_h", id="mamba2_hybrid"), pytest.param("lfm2", id="short_conv")])
+@pytest.mark.parametrize(
+    "family", [pytest.param("nemotron_h", id="mamba2_hybrid"), pytest.param("lfm2", id="short_conv")]
+)
 @pytest.mark.parametrize("side", [pytest.param("left", id="left_padded"), pytest.param("right", id="right_padded")])
 def test_generate_steps_hand_no_mask_to_the_mixers(family, side):
     model = safepad.wrap(tiny_model(family))
