@@ -42,8 +42,9 @@ def multi_sequence(seq_idx: Tensor) -> Tensor:
 
 
 def real_pairs(padding_mask: Tensor | None, T: int) -> Tensor | None:
-    """``[B, T - 1]`` bool: both tokens of a pair are real (where boundaries are compared); ``None`` without a mask."""
-    if padding_mask is None:
+    """``[B, T - 1]`` bool: both tokens of a pair are real (where boundaries are compared); ``None`` without a mask
+    or with one token (``T < 2``: there is no pair, and :func:`change_points` then compares nothing)."""
+    if padding_mask is None or T < 2:  # one token: no pair (and no op dispatched on a decode step)
         return None
     m = padding_mask[:, -T:].to(torch.bool)  # [B, T]
     return m[:, 1:] & m[:, :-1]
@@ -103,14 +104,14 @@ def _packed_positions(
     ``T > 1`` (a row of one sequence gives the same result through the varlen path). With boundaries given by
     ``seq_idx`` / ``cu_seq_lens`` they are always read: positions that restart nowhere disagree with them.
     """
+    if not boundaries_given and T < 2:  # one token: no restart after it (decided before any op is dispatched)
+        return None
     restarts = restarts_at_real_tokens(position_ids, None if padding_mask is None else padding_mask[:, -T:])  # [B, T]
     if padding_mask is None:
         derive = seq_idx_from_position_ids
     else:
         derive = lambda _: restarts.cumsum(1).to(torch.int32)  # noqa: E731  [B, T]; pads take their neighbours' ids
     if not boundaries_given:
-        if T < 2:  # one token: no restart after it
-            return None
         if not tracing() and not bool(restarts.any()):  # eager only: a host read decides
             return None
     return derive(position_ids)
@@ -168,7 +169,8 @@ def normalize_boundaries(
             )
         else:
             out, source = from_cu, "cu_seq_lens"
-    positions = packing_positions(position_ids, (B, T))  # [B, T] from [T] / [1|B, T] / [4|3|1, B, T], or None
+    # [B, T] from [T] / [1|B, T] / [4|3|1, B, T], or None; a one-token call without boundaries reads none (no restart)
+    positions = packing_positions(position_ids, (B, T)) if out is not None or T > 1 else None
     if positions is not None:
         from_pos = _packed_positions(positions, padding_mask, T, boundaries_given=out is not None)
         if from_pos is not None and out is not None:

@@ -28,7 +28,9 @@ import logging
 import torch
 from torch import Tensor
 
-__all__ = ["SlotJustifiedCall", "justified_mask", "justify_kv", "pads_first_order"]
+from .._tracing import tracing
+
+__all__ = ["SlotJustifiedCall", "justified_mask", "justify_kv", "pads_first_order", "step_relay_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,24 @@ def justified_mask(n_real: Tensor, total: int) -> Tensor:
     return torch.arange(total, device=n_real.device)[None] >= (total - n_real)[:, None]
 
 
-def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -> tuple[Tensor, Tensor]:
+def step_relay_index(new_real: Tensor, B: int, H: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """What :func:`justify_kv` needs to re-lay ``[B, H, S, D]`` cached slots for a one-token step, whatever ``D``:
+    ``(pad [B, 1, 1] bool: the row's step token is a pad, flat index [B * H * S] into the slot rows)``; a row's
+    slots move right by one when its token is a pad, stay otherwise. Made once per call and cache shape (the keys
+    and values of every layer of that shape share it: ``new_real`` ``[B]``, the call's real tokens)."""
+    pad = (new_real < 1).to(device).view(B, 1, 1)  # [B, 1, 1]
+    rows = torch.arange(0, B * H * S, S, device=device).view(B, H, 1)  # [B, H, 1] first slot of each row
+    src = torch.arange(S, device=device).view(1, 1, S) - pad.long()  # [B, 1, S]; -1 only at slot 0 of a pad row
+    return pad, (rows + src.clamp_(min=0)).view(-1)
+
+
+def justify_kv(
+    past: Tensor,
+    new: Tensor,
+    past_real: Tensor | None,
+    new_real: Tensor,
+    step_index: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Re-lay ``[past ‖ new]`` so each row's pads come before all of its real slots.
 
     Args:
@@ -56,6 +75,8 @@ def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -
             ``[pads | reals]``); or ``[B, S]`` bool, which stored slots are real (a row laid out otherwise, e.g. by
             a one-token step with a pad on a cache never re-laid: ``[reals | pad]``).
         new_real: ``[B]`` real tokens among the ``T`` new ones (the last ones).
+        step_index: for one new token, :func:`step_relay_index` of this shape (made here when None); ``past_real``
+            is not read then (the stored rows are justified).
 
     Returns:
         ``(past', new')`` of the same shapes: the stable partition of ``[past ‖ new]`` (pads first, zeroed),
@@ -68,12 +89,10 @@ def justify_kv(past: Tensor, new: Tensor, past_real: Tensor, new_real: Tensor) -
     B, Hk, S, Dh = past.shape
     T = new.shape[2]
     if T == 1:  # one token (a decode step): a pad step token goes first, the row's slots move right by one
-        pad = (new_real < 1).to(past.device)  # [B]
-        rows = torch.arange(B * Hk, device=past.device).view(B, Hk, 1) * S  # [B, H, 1] first slot of each row
-        src = (torch.arange(S, device=past.device).view(1, 1, S) - pad.view(B, 1, 1).long()).clamp(min=0)  # [B, 1, S]
-        out = past.reshape(B * Hk * S, Dh).index_select(0, (rows + src).view(-1)).view(B, Hk, S, Dh)
-        out[:, :, 0] = torch.where(pad.view(B, 1, 1), 0.0, out[:, :, 0])  # the pad's own slot [B, H, D]
-        return out, torch.where(pad.view(B, 1, 1, 1), past[:, :, -1:], new)
+        pad, index = step_relay_index(new_real, B, Hk, S, past.device) if step_index is None else step_index
+        out = past.reshape(B * Hk * S, Dh).index_select(0, index).view(B, Hk, S, Dh)
+        out.select(2, 0).masked_fill_(pad, 0)  # the pad's own slot [B, H, D]
+        return out, torch.where(pad[..., None], past[:, :, -1:], new)
     full = torch.cat([past, new], dim=2)  # [B, H, S + T, D]
     past_valid = past_real.to(torch.bool) if past_real.dim() == 2 else justified_mask(past_real, S)  # [B, S]
     valid = torch.cat([past_valid.to(new_real.device), justified_mask(new_real, T)], dim=1)  # [B, S + T]
@@ -109,12 +128,12 @@ def _plain_dynamic(layer) -> bool:
 class _JustifyingUpdate:
     """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update."""
 
-    def __init__(self, cache, past_slots: Tensor, new_real: Tensor, decode: bool = False):
+    def __init__(self, cache, call: SlotJustifiedCall):
         self.cache = cache
         self.original = type(cache).update.__get__(cache)
-        self.past_slots = past_slots  # [B, L] bool: the real ones among the cached slots
-        self.new_real = new_real  # [B]
-        self.decode = decode  # a decode step: it re-lays only when its token is a pad (unknown on the host)
+        self.call = call  # call.past_slots [B, L] bool: the real ones among the cached slots (read for a chunk only)
+        self.new_real = call.n_new  # [B]
+        self.decode = call.decode  # a decode step: it re-lays only when its token is a pad (unknown on the host)
 
     def __call__(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -129,13 +148,18 @@ class _JustifyingUpdate:
                     f"keys to be re-laid in place, which {type(layer).__name__} (layer {layer_idx}) does not allow. "
                     "Use a DynamicCache (the default), or pad on the left."
                 )
-            if keys.shape[0] != self.past_slots.shape[0]:
+            if keys.shape[0] != self.new_real.shape[0]:
                 raise ValueError(
                     f"safepad: cache layer {layer_idx} holds {keys.shape[0]} rows but the call has "
-                    f"{self.past_slots.shape[0]}"
+                    f"{self.new_real.shape[0]}"
                 )
+            if self.decode:  # one token: the stored rows are justified; one index for keys and values of this shape
+                index = self.call.step_index(keys.shape[:3], keys.device)
+                layer.keys, key_states = justify_kv(layer.keys, key_states, None, self.new_real, index)
+                layer.values, value_states = justify_kv(layer.values, value_states, None, self.new_real, index)
+                return self.original(key_states, value_states, layer_idx, *args, **kwargs)
             # stored slots are the last `stored` of the `past_len` cached ones
-            past_real = _last_slots(self.past_slots, stored)  # [B, stored]
+            past_real = _last_slots(self.call.past_slots, stored)  # [B, stored]
             layer.keys, key_states = justify_kv(layer.keys, key_states, past_real, self.new_real)
             layer.values, value_states = justify_kv(layer.values, value_states, past_real, self.new_real)
         return self.original(key_states, value_states, layer_idx, *args, **kwargs)
@@ -148,12 +172,12 @@ class _JustifyingIndexerUpdate:
     in the justified layout by then, so that the slots it selects are the ones the re-laid keys occupy.
     """
 
-    def __init__(self, cache, past_slots: Tensor, new_real: Tensor, decode: bool = False):
+    def __init__(self, cache, call: SlotJustifiedCall):
         self.cache = cache
         self.original = type(cache).update_indexer.__get__(cache)
-        self.past_slots = past_slots  # [B, L] bool: the real ones among the cached slots
-        self.new_real = new_real  # [B]
-        self.decode = decode
+        self.call = call  # call.past_slots [B, L] bool: the real ones among the cached slots
+        self.new_real = call.n_new  # [B]
+        self.decode = call.decode
 
     def __call__(self, states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self.cache.layers[layer_idx]
@@ -168,8 +192,10 @@ class _JustifyingIndexerUpdate:
                     f"{layer_idx} to be re-laid in place, which {type(layer).__name__} does not allow. Use a "
                     "DynamicCache (the default), or pad on the left."
                 )
-            past_real = _last_slots(self.past_slots, stored)  # [B, stored]
-            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real)  # [B, 1, S|T, F]
+            past_real = None if self.decode else _last_slots(self.call.past_slots, stored)  # [B, stored]
+            index = self.call.step_index((stored_keys.shape[0], 1, stored), stored_keys.device) if self.decode else None
+            # [B, 1, S|T, F]
+            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real, index)
             layer.indexer_keys, states = past[:, 0], new[:, 0]
         return self.original(states, layer_idx, *args, **kwargs)
 
@@ -187,20 +213,21 @@ def _dynamic_indexer_update():
     return None if cls is None else cls.update_indexer
 
 
-def _justify_position_history(cache, past_slots: Tensor, n_new: Tensor, T: int) -> Tensor | None:
+def _justify_position_history(cache, call: SlotJustifiedCall, n_new: Tensor, T: int) -> Tensor | None:
     """Re-lay a cache layer's stored per-slot positions ``[K, B, S]`` (``indexer_position_ids``, Qwen4-Exp) now.
 
     The model concatenates them with the chunk's positions before any layer runs, so they must be in the
     justified layout before the forward; the stored slots' re-lay depends only on which slots are real
-    (``past_slots`` ``[B, L]`` bool, :func:`justify_kv`).
+    (``call.past_slots`` ``[B, L]`` bool, :func:`justify_kv`; read only when a layer keeps a history).
     Returns ``[K, B, T]``: the stored positions of the cached slots the re-lay moves into the chunk's columns
     (0 elsewhere), which the chunk's positions must carry there; None without a history.
     """
     moved = None
     for layer in getattr(cache, "layers", ()):
         hist = getattr(layer, "indexer_position_ids", None)
-        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != past_slots.shape[0]:
+        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != n_new.shape[0]:
             continue
+        past_slots = call.past_slots
         S = hist.shape[-1]
         h = hist.permute(1, 0, 2)[..., None]  # [B, K, S, 1]
         past, new = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), _last_slots(past_slots, S), n_new)
@@ -220,6 +247,8 @@ class SlotJustifiedCall:
             ``[reals | pad]``); None: the cache rows are justified (``[pads | reals]``, ``n_past`` real ones).
         on_device: decide a chunk of several tokens without a host read (a traced call): it is always reordered
             and its cached slots always re-laid (each the identity where nothing moves); ``noop`` is False.
+        real_step: a one-token call whose token the caller knows is real in every row (``generate``'s own,
+            :func:`safepad.wrap.generate.generated_step`): its cached slots stay where they are (``relay`` False).
 
     Attributes:
         order: ``[B, T]`` long, ``x_new[:, i] = x[:, order[:, i]]``, or None when the chunk needs no reordering.
@@ -233,14 +262,21 @@ class SlotJustifiedCall:
     """
 
     def __init__(
-        self, full_mask: Tensor, past_len: int, past_slots: Tensor | None = None, on_device: bool = False
+        self,
+        full_mask: Tensor,
+        past_len: int,
+        past_slots: Tensor | None = None,
+        on_device: bool = False,
+        real_step: bool = False,
     ):
         B, total = full_mask.shape
         T = total - past_len
+        self._step_index: dict = {}  # step_index's cache: (B, H, S, device) -> step_relay_index
+        self._past_slots: Tensor | None = None
         if T == 1:  # a decode step: every decision on the device (no host read); its cache rows are justified
             if past_slots is not None:
                 raise ValueError("safepad: a one-token SlotJustifiedCall re-lays a justified cache only (past_slots=None)")
-            self._init_step(full_mask, past_len)
+            self._init_step(full_mask, past_len, real_step)
             return
         self.past_len, self.T = past_len, T
         self.full_mask = full_mask  # [B, L + T]: the caller's layout of the cached slots and the current tokens
@@ -283,23 +319,46 @@ class SlotJustifiedCall:
         self._cache = None
         self.moved_positions = None
 
-    def _init_step(self, full_mask: Tensor, past_len: int) -> None:
+    def _init_step(self, full_mask: Tensor, past_len: int, real_step: bool = False) -> None:
         """One token: it needs no reordering; the mask and pad counts are device tensors, and the cached slots
-        are re-laid whenever there are some (:func:`justify_kv` moves only the rows whose step token is a pad)."""
+        are re-laid whenever there are some (:func:`justify_kv` moves only the rows whose step token is a pad),
+        unless the caller knows on the host that every row's token is real (``real_step``: nothing moves)."""
         self.past_len, self.T = past_len, 1
         self.full_mask = full_mask  # [B, L + 1]
         self.n_past = full_mask[:, :past_len].sum(1)  # [B]
         # (the last column: indexing with past_len, a symbolic size under dynamic shapes, would specialise it)
         self.n_new = full_mask[:, -1].long()  # [B]: 1 for a real step token, 0 for a pad
-        self.past_slots = justified_mask(self.n_past, past_len)  # [B, L]: the cache rows are [pads | reals]
+        self._past_slots = None  # [B, L]: the cache rows are [pads | reals] (made when read: past_slots)
         self.mask = justified_mask(self.n_past + self.n_new, past_len + 1)  # [B, L + 1]
         self.token_mask = full_mask[:, past_len:]  # [B, 1]
         self.noop = False  # (unknown without a host read: the justified mask is passed on)
         self.decode = True
         self.order = self.inverse = None
-        self.relay = past_len > 0
+        self.relay = past_len > 0 and not real_step
         self._cache = None
         self.moved_positions = None
+
+    @property
+    def past_slots(self) -> Tensor:
+        """``[B, L]`` bool: which cached slots hold real tokens (for a one-token step, made when first read: a
+        decode step's re-lay does not read it)."""
+        if self._past_slots is None:
+            self._past_slots = justified_mask(self.n_past, self.past_len)
+        return self._past_slots
+
+    @past_slots.setter
+    def past_slots(self, value: Tensor) -> None:
+        self._past_slots = value
+
+    def step_index(self, shape: tuple[int, int, int], device: torch.device) -> tuple[Tensor, Tensor]:
+        """:func:`step_relay_index` for cached slots of ``shape`` ``(B, H, S)`` on ``device``: made once per call
+        and shape, shared by the keys and values of every layer of that shape (eager; traced, made for each)."""
+        if tracing():  # sizes may be symbolic: a dict key would specialise them (one recompile per decode step)
+            return step_relay_index(self.n_new, *shape, device)
+        key = (*shape, device)
+        if key not in self._step_index:
+            self._step_index[key] = step_relay_index(self.n_new, *shape, device)
+        return self._step_index[key]
 
     def pads(self) -> Tensor:
         """``[B]`` long: pad slots per row in the justified layout (the cache's, once the call has run)."""
@@ -368,10 +427,10 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
-        self.moved_positions = _justify_position_history(cache, self.past_slots, self.n_new, self.T)
-        cache.update = _JustifyingUpdate(cache, self.past_slots, self.n_new, self.decode)
+        self.moved_positions = _justify_position_history(cache, self, self.n_new, self.T)
+        cache.update = _JustifyingUpdate(cache, self)
         if hasattr(type(cache), "update_indexer"):
-            cache.update_indexer = _JustifyingIndexerUpdate(cache, self.past_slots, self.n_new, self.decode)
+            cache.update_indexer = _JustifyingIndexerUpdate(cache, self)
         self._cache = cache
 
     def with_moved_positions(self, position_ids: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ from torch import Tensor
 from ..cache import read_states, write_states
 from ..ops.delta_rule import chunk_gated_delta_rule, gated_delta_rule_step
 from ..ops.grad import contiguous_grad
+from ..ops.precision import recurrence_input
 from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 from .history import state_history, states_to_keep
 
@@ -119,9 +120,7 @@ def _rule_inputs(mixed: Tensor) -> Tensor:
     As the Mamba2 mixer's SSD and the CPU attention of half-precision models (docs/limits.md). Elsewhere: as is
     (the rule computes in float32 and returns the model dtype).
     """
-    if mixed.dtype in (torch.float16, torch.bfloat16) and mixed.device.type == "cpu":
-        return mixed.double()
-    return mixed
+    return recurrence_input(mixed, "delta_rule")  # the policy: safepad.ops.precision
 
 
 def gated_delta_mixer_forward(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache import read_states, write_states
+from ..ops.precision import recurrence_input
 from ..ops.ssd import ssd_scan, ssd_step
 from .common import cached_conv, layout_op, cached_conv_step, gated_norm, hold_masked_rows, pop_cache, prepare_layout
 from .history import state_history, states_to_keep
@@ -42,9 +43,7 @@ def _scan_inputs(xBC: Tensor) -> Tensor:
       flip); in float64 the two orders agree to ~1e-16 and the rounding to bf16 agrees. As the float64 CPU
       attention of half-precision models (docs/limits.md, "Half precision on CPU").
     """
-    if xBC.dtype not in (torch.float16, torch.bfloat16):
-        return xBC
-    return xBC.double() if xBC.device.type == "cpu" else xBC.float()
+    return recurrence_input(xBC, "ssd")  # the policy: safepad.ops.precision
 
 
 def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs):

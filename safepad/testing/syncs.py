@@ -215,7 +215,8 @@ def decode_step(
     ``"none"`` for full rows) runs when the closure is built, under
     ``torch.no_grad()``; the closure feeds one new token per row with the cache and the extended mask, as
     ``generate()`` does, and returns the ``[B, 1, V]`` logits. Each call re-runs the same step from the
-    same cache state (a copy), so it may be called repeatedly. ``step.rows`` holds each row's real tokens
+    same cache state (a copy), so it may be called repeatedly; ``step(cache)`` runs it on a given cache instead
+    (``step.fresh_cache()`` makes one). ``step.rows`` holds each row's real tokens
     (prompt, then the decoded token), for a reference that runs every row alone.
     """
     from .scenarios import _ModelIO
@@ -238,15 +239,19 @@ def decode_step(
     full = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], 1)  # [B, L + 1]
     pos = mask.sum(1, keepdim=True)  # [B, 1]: each row's real tokens so far
     snapshot = copy.deepcopy(cache)
+    decode_mask = io.decode_mask(full)
 
-    def step():
+    def step(cache: Any = None):
         with torch.no_grad():
-            logits, _ = io(nxt, attention_mask=io.decode_mask(full), position_ids=pos, cache=copy.deepcopy(snapshot),
-                           use_cache=True)
+            logits, _ = io(nxt, attention_mask=decode_mask, position_ids=pos,
+                           cache=copy.deepcopy(snapshot) if cache is None else cache, use_cache=True)
         return logits
 
     #: each row's real tokens, prompt then the decoded one (``[n_b + 1]`` each): the reference runs them alone
     step.rows = [torch.cat([ids[b][mask[b].bool()], nxt[b]]) for b in range(batch)]
+    #: a fresh copy of the prefilled cache: ``step(step.fresh_cache())`` runs the step on it, so that a counter
+    #: around that call sees the model's step alone (not the copy)
+    step.fresh_cache = lambda: copy.deepcopy(snapshot)
     return step
 
 

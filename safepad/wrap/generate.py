@@ -44,7 +44,9 @@ from .slot_record import _PADDED_FLAG, _RELAID_FLAG
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SafepadCompiledCall", "SafepadGenerate", "SafepadPrepareInputs", "mask_checked_by_generate"]
+__all__ = [
+    "SafepadCompiledCall", "SafepadGenerate", "SafepadPrepareInputs", "generated_step", "mask_checked_by_generate",
+]
 
 
 def _tokens_read(cache: Any) -> int | None:
@@ -239,6 +241,9 @@ _GEN_PROMPT: contextvars.ContextVar[tuple[Tensor | None, Tensor | None] | None] 
 #: inside a wrapped ``generate`` call that checked the caller's 2-D ``attention_mask`` on the host: its model
 #: (:func:`mask_checked_by_generate`)
 _GEN_MASK_CHECKED: contextvars.ContextVar[Any] = contextvars.ContextVar("safepad_generate_mask_checked", default=None)
+#: inside a wrapped ``generate`` call: the columns of the caller's prompt (its 2-D mask's, else its ``input_ids``'),
+#: after which every mask column is one ``generate`` appended (:func:`generated_step`); None when unknown
+_GEN_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar("safepad_prompt_columns", default=None)
 #: inside a wrapped ``generate`` call (this thread / task only): transformers' right-padding warning is dropped
 _IN_WRAPPED_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("safepad_in_generate", default=False)
 
@@ -253,6 +258,20 @@ def mask_checked_by_generate(model: Any) -> bool:
     CUDA context; docs/limits.md, "Device checks").
     """
     return _GEN_MASK_CHECKED.get() is model
+
+
+def generated_step(model: Any, T: int, mask: Any) -> bool:
+    """Whether a one-token call of ``model`` (``T == 1``) with the 2-D ``mask`` ``[B, M]`` brings the token its wrapped
+    ``generate`` appended: inside that ``generate`` (:func:`mask_checked_by_generate`) with more mask columns than the
+    caller's prompt has. ``generate`` extends the mask with a column of ones for each token it adds, so every row's
+    token is real: a host-side fact (no device read), which spares the decode step holding pad rows' states in
+    every layer and re-laying the cached keys (docs/limits.md, "Device checks"). A one-token call covering only
+    the caller's columns (a prompt whose last token alone is uncached) is not such a step: its column is the
+    caller's."""
+    if T != 1 or not mask_checked_by_generate(model) or not isinstance(mask, Tensor) or mask.dim() != 2:
+        return False
+    columns = _GEN_PROMPT_COLUMNS.get()
+    return columns is not None and mask.shape[1] > columns
 
 
 #: the logger transformers' ``generate`` warns on, and the start of its right-padding warning
@@ -336,6 +355,18 @@ def _compiles(model: Any, kwargs: dict, cache: Any) -> bool:
         return True
     forward = model.__dict__.get("forward")
     return forward is not None and hasattr(forward, "_torchdynamo_orig_callable")
+
+
+def _prompt_columns(args: tuple, kwargs: dict) -> int | None:
+    """The columns of the prompt ``generate`` is called with: its 2-D ``attention_mask``'s, else its ``input_ids``'
+    (``[B, L]``, positional or named ``input_ids`` / ``inputs``), else None (``inputs_embeds`` only: unknown)."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        return mask.shape[1]
+    ids = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        return ids.shape[1]
+    return None
 
 
 def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
@@ -441,6 +472,7 @@ class SafepadGenerate:
         token = _GEN_COUNTS.set(counts)
         relaid = _GEN_PROMPT.set(prompt)
         checked = _GEN_MASK_CHECKED.set(model)
+        columns = _GEN_PROMPT_COLUMNS.set(_prompt_columns(args, kwargs))
         quiet = _quiet_right_padding_warning()
         try:
             out = type(model).generate(model, *args, **kwargs)
@@ -455,6 +487,7 @@ class SafepadGenerate:
         finally:
             _IN_WRAPPED_GENERATE.reset(quiet)
             _GEN_MASK_CHECKED.reset(checked)
+            _GEN_PROMPT_COLUMNS.reset(columns)
             _GEN_PROMPT.reset(relaid)
             _GEN_COUNTS.reset(token)
             _keep_rope_deltas(model, None)  # (use_cache=False, or raised: no cache to keep them on)

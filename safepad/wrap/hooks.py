@@ -52,7 +52,13 @@ from .attention_masks import packed_mask_mapping
 from .cache_rows import check_cache_rows, cover_row_ops
 from .checkpoint import hook_checkpoint_functions
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs, mask_checked_by_generate
+from .generate import (
+    SafepadCompiledCall,
+    SafepadGenerate,
+    SafepadPrepareInputs,
+    generated_step,
+    mask_checked_by_generate,
+)
 from .mask_history import check_mask_history, forget_mask_history
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
@@ -213,6 +219,9 @@ class _ModelPreHook:
             # the caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones
             check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
         token_mask = None
+        # generate's own next token (a host-side fact, eager only): every row's token is real, no mask reaches the
+        # mixers
+        generated = not traced and generated_step(module, T, _two_d_mask(kwargs.get("attention_mask")))
         if traced:
             # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
             # ([B, T] token mask, a chunk reordered pads first); any other call on such a cache raises
@@ -226,6 +235,8 @@ class _ModelPreHook:
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
             record = module._safepad.slot_calls[-1]
             token_mask = record.call.token_mask if record is not None and record.call is not None else None
+            if generated:
+                token_mask = None  # [B, 1] all real
         mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         # eager only: an all-ones mask carries no padding (one host read); a one-token step keeps its 2-D mask unread
@@ -270,12 +281,13 @@ class _ModelPreHook:
                 "position_ids restart at 0 inside a row next to an attention_mask: under torch.compile give packed "
                 "rows seq_idx / cu_seq_lens_q, or no mask (docs/limits.md, check D2)",
             )
-        if not traced and plan.hybrid:
+        if not traced and plan.hybrid and T > 1:  # (one token: no pair of positions to read segments from)
             _check_attention_segments(module, kwargs, seq_idx, mask[:, -T:] if padding else None, (B, T))
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
             _traced_cache_positions(module, plan, args, kwargs, T, _two_d_mask(kwargs.get("attention_mask")), ids)
-        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d else None  # [B, 1]: a pad step token
-        padding_mask = mask if padding and seq_idx is None else None
+        # [B, 1]: a pad step token (unknown on the host outside generate: the mixers hold such rows' states)
+        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d and not generated else None
+        padding_mask = mask if padding and seq_idx is None and not generated else None
         token = enter_call(
             CallContext(
                 seq_idx=seq_idx, shape=(B, T), source=source, decode_mask=decode_mask, padding_mask=padding_mask,

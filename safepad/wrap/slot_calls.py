@@ -24,6 +24,7 @@ from ..cache import CACHE_NAMES, recurrent_only
 from ..layout.masks import has_holes, pads_after_real, pads_before_real
 from ..layout.slots import SlotJustifiedCall
 from .frames import generate_frame
+from .generate import generated_step
 from .hidden_routes import HiddenStateRoute, route_wanted
 from .slot_record import (
     _PACKED_NAMES, _PADDED_FLAG, _PADS_ATTR, _RELAID_FLAG, _SHIFT_ATTR, SlotRecord, _ask_for_model_output,
@@ -157,7 +158,9 @@ def slot_justify(
         step or plan.slot_sensitive or bool(getattr(cache, _RELAID_FLAG, False)) or cache is None
         or recurrent_only(cache)
     )
-    call = SlotJustifiedCall(m, past_len, past_slots=None if justified else m[:, :past_len])
+    # generate's own next token is real in every row (a host-side fact): the step moves no cached slot
+    real_step = step and generated_step(module, T, mask)
+    call = SlotJustifiedCall(m, past_len, past_slots=None if justified else m[:, :past_len], real_step=real_step)
     for check in plan.slot_checks:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, flagged if step else not bool(call.mask.all()), restore=generating is None)
