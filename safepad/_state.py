@@ -23,6 +23,8 @@ class ModuleState:
         hook_handles: the hooks safepad registered on this (model) module.
         tokens / slot_calls / cache_calls: per-call stacks of the model hooks (one entry per call in progress;
             plain lists, made at wrap time, so a traced call mutates no module ``__dict__``).
+        counts: the eager call in progress's expected static-cache count (``safepad.cache.expect_count``), settled
+            by the model's post-hook (at most one entry).
     """
 
     def __init__(self) -> None:
@@ -34,6 +36,7 @@ class ModuleState:
         self.tokens: list[Any] = []
         self.slot_calls: list[Any] = []
         self.cache_calls: list[Any] = []
+        self.counts: list[Any] = []
 
     def __repr__(self) -> str:
         return (

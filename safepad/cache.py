@@ -46,11 +46,13 @@ __all__ = [
     "cache_argument",
     "cache_from_kwargs",
     "cache_length",
+    "expect_count",
     "forget_read",
     "is_recording",
     "layer_token_count",
     "fresh_cache_is_recurrent_only",
     "needs_token_count",
+    "settle_count",
     "new_tracked_cache",
     "output_cache",
     "read_states",
@@ -321,7 +323,15 @@ def cache_length(cache: Any) -> Any:
     mixin = _attention_mixin()
     idx = next((i for i, layer in enumerate(cache.layers) if mixin is not None and isinstance(layer, mixin)), None)
     if idx is not None:
-        return cache.get_seq_length(idx)
+        length = cache.get_seq_length(idx)
+        if not isinstance(length, Tensor) or tracing():
+            return length
+        # a static attention layer: its count is a 0-d tensor too; the count the host knows, or one host read
+        known = _known_count(cache.layers[idx], _STATIC_COUNT)
+        if known is None:
+            known = int(length)
+            _remember_count(cache.layers[idx], known, _STATIC_COUNT)
+        return known
     length = cache.get_seq_length()
     if not isinstance(length, Tensor) or tracing():
         return length
@@ -339,8 +349,14 @@ def cache_length(cache: Any) -> Any:
 _KNOWN_ATTR = "_safepad_known"
 
 
-def _known_count(layer) -> int | None:
-    count = getattr(layer, "cumulative_length_linear", None)
+#: a static attention layer's 0-d count tensor (transformers' ``StaticLayer.cumulative_length``), which its
+#: ``update`` advances in place by the call's key length, once per call
+_STATIC_COUNT = "cumulative_length"
+_LINEAR_COUNT = "cumulative_length_linear"
+
+
+def _known_count(layer, attr: str = _LINEAR_COUNT) -> int | None:
+    count = getattr(layer, attr, None)
     seen = getattr(count, _KNOWN_ATTR, None) if isinstance(count, Tensor) else None
     if seen is None:
         return None
@@ -349,10 +365,37 @@ def _known_count(layer) -> int | None:
     return seen[2] if same or copied else None
 
 
-def _remember_count(layer, value: int) -> None:
-    count = getattr(layer, "cumulative_length_linear", None)
+def _remember_count(layer, value: int, attr: str = _LINEAR_COUNT) -> None:
+    count = getattr(layer, attr, None)
     if isinstance(count, Tensor):
         setattr(count, _KNOWN_ATTR, (id(count), count._version, int(value)))
+
+
+def expect_count(cache: Any, past: int, tokens: int) -> tuple | None:
+    """What an eager call of ``tokens`` columns that found ``past`` tokens in ``cache`` leaves in the count of its
+    first attention layer, when that count is a 0-d tensor (a static layer): ``(layer, count tensor, its version now,
+    past + tokens)`` for :func:`settle_count` after the call, else None. Without it, every eager step with a static
+    cache reads that count on the host (one sync per decode step, where stock reads none)."""
+    layers = getattr(cache, "layers", None)
+    mixin = _attention_mixin()
+    if not layers or mixin is None or isinstance(cache, _TracksSeqLength):
+        return None
+    layer = next((layer for layer in layers if isinstance(layer, mixin)), None)
+    count = getattr(layer, _STATIC_COUNT, None)
+    if not isinstance(count, Tensor) or count.dim() != 0 or not isinstance(past, int):
+        return None
+    return layer, count, count._version, past + int(tokens)
+
+
+def settle_count(expected: tuple | None) -> None:
+    """After a call that completed: remember :func:`expect_count`'s value when the count tensor is the same object and
+    was advanced exactly once since (the call's own update; anything else, e.g. a ``reset`` or a call that raised
+    before reaching the layer, leaves it unknown and the next call reads it)."""
+    if expected is None:
+        return
+    layer, count, version, value = expected
+    if getattr(layer, _STATIC_COUNT, None) is count and count._version == version + 1:
+        _remember_count(layer, value, _STATIC_COUNT)
 
 
 def fresh_cache_is_recurrent_only(config: Any) -> bool:

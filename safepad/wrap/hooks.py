@@ -32,9 +32,11 @@ from ..cache import (
     cache_argument,
     cache_from_kwargs,
     cache_post_hook,
+    expect_count,
     forget_read,
     needs_token_count,
     output_cache,
+    settle_count,
 )
 from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
@@ -230,9 +232,16 @@ class _ModelPreHook:
         else:
             forget_read(cache)  # a forward outside generate: generate's record of it is stale
             past = _follow_mask_history(module, plan, args, kwargs, T)  # (the cache's length, read once per call)
+            if past is None and cache is not None:  # inside generate: read here (once), for slot_justify and counts
+                try:
+                    past = _past_length(cache)
+                except ValueError:  # a cache that cannot tell its length: slot_justify raises it
+                    past = None
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
             args, kwargs = slot_justify(module, plan, args, kwargs, B, T, past)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
+            # a static cache's count after this call, known on the host (settled by the post-hook): no read next call
+            module._safepad.counts[:] = [expect_count(cache, past, T)] if past is not None else []
             record = module._safepad.slot_calls[-1]
             token_mask = record.call.token_mask if record is not None and record.call is not None else None
             if generated:
@@ -535,6 +544,8 @@ def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source:
 
 def _post_hook(module: nn.Module, args, output):
     state = state_of(module)
+    if state is not None and state.counts and not tracing():
+        settle_count(state.counts.pop())
     if isinstance(output, tuple):  # return_dict=False: the cache is an element
         for value in output:
             cover_row_ops(value if hasattr(value, "layers") else None)
