@@ -384,3 +384,31 @@ def test_decode_step_on_the_cache_of_a_compiled_right_padded_generate(family: st
         s.chunk(batch=[[224], [29], [216]], position_ids=False)
     finally:
         s.close()
+
+
+# issue 37: a 4-D attention mask reaches the attention layers only; the recurrent layers ran over the pads it hid
+# (nemotron_h, a left-padded row: 0.75 off the row alone). Now refused, naming the key column and the 2-D fix.
+@pytest.mark.parametrize("form", [pytest.param(f, id=f) for f in ("4d_bool", "4d_inf", "4d_min")])
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h"), _param("qwen3_next", id="qwen3_next")])
+def test_four_d_mask_hiding_pads(family: str, form: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forms([[5, 9, 7, 12], [None, None, 8, 3]], mask_form=form, positions="none")
+    assert s.stats.refused > 0
+
+
+# issue 37: a plain causal 4-D mask next to position_ids [-1, 0, 1, 2]: the recurrent layers read two sequences
+# (a restart at 0), attention the one the mask gives, silently (nemotron_h 0.55 off the row alone at its positions).
+# The mask is now dropped on such a packed call as a 2-D one is, and the disagreeing readings raise.
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h"), _param("qwen3_next", id="qwen3_next")])
+def test_causal_four_d_mask_with_restarting_positions(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forms([[5, 9, 7, 12], [8, 3, 6, 6]], mask_form="4d_bool", positions="negative")
+    s.restarts([[[5, 6, 7], [8]], [[3, 4], [5, 6]]])
+
+
+# issue 37: a batch of 0 rows raised ZeroDivisionError in safepad's causal conv (stock returns [0, T, V] logits)
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h"), _param("mamba2", id="mamba2")])
+def test_batch_of_zero_rows(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.sizes("batch0", cached=False)
+    s.sizes("batch0", cached=True)

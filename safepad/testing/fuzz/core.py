@@ -98,6 +98,7 @@ class FuzzStats:
     calls: int = 0
     refused: int = 0
     rules: dict[str, int] = field(default_factory=dict)
+    surfaces: dict[str, int] = field(default_factory=dict)  # input forms and entry points drawn ("mask:4d_bool", ...)
     skipped: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     first_unshrunk: str | None = None  # the first failing call sequence as drawn, before hypothesis shrinks it
@@ -110,8 +111,17 @@ class FuzzStats:
             f"{self.family:22s} sequences {self.sequences:5d} (compiled {self.compiled:3d})  calls {self.calls:6d}  "
             f"refused {self.refused:4d}  "
             f"failures {len(self.failures)}  {self.seconds:6.1f} s ({self.cpu_seconds:.1f} s CPU)  "
-            f"skipped draws: {skipped}"
+            f"skipped draws: {skipped}\n{'':22s} surfaces: {self.surface_line()}"
         )
+
+    def surface_line(self) -> str:
+        """The surfaces drawn, grouped: ``masks int 3 bool 1 ... | positions ... | sizes ... | rl ... | guard ... |
+        audit ...`` (a group with no draw reads 0)."""
+        groups: dict[str, list[str]] = {g: [] for g in ("mask", "positions", "sizes", "dtype", "rl", "guard", "audit")}
+        for k, v in sorted(self.surfaces.items()):
+            g, _, name = k.partition(":")
+            groups.setdefault(g, []).append(f"{name} {v}")
+        return " | ".join(f"{g} " + (" ".join(v) if v else "0") for g, v in groups.items())
 
 
 STATS: dict[str, FuzzStats] = {}

@@ -9,6 +9,7 @@ import time
 import torch
 
 from .core import FIRST_TOKEN, Batch, FuzzStats, _io, _models, _stats
+from .forms import MASK_FORMS, POSITION_FORMS
 from .session import Session
 
 __all__ = ["COMPILE_MODES", "fuzz_families", "machine_for", "run_family"]
@@ -74,6 +75,7 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         @initialize(how=st.sampled_from(_runs))
         def start(self, how) -> None:
             self.s.stats.sequences += 1
+            self.s._surface(f"dtype:{str(dtype).removeprefix('torch.')}")
             if how is not None:
                 self.s.stats.compiled += 1
                 self.s.compile(*how)
@@ -158,6 +160,44 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         @rule(repeats=st.integers(1, 2))
         def repeat(self, repeats) -> None:
             self.s.repeat(repeats)
+
+        # ---- input forms and entry points (entry.py) ----
+
+        @rule(b=batch(max_len=10), mask_form=st.sampled_from(MASK_FORMS), positions=st.sampled_from(POSITION_FORMS),
+              offset=st.integers(1, 6), cached=st.booleans())
+        def forms(self, b, mask_form, positions, offset, cached) -> None:
+            self.s.forms(b, mask_form=mask_form, positions=positions, offset=offset, cached=cached)
+
+        @precondition(lambda self: self.s.stream is not None and self.s.stream.pending is None)
+        @rule(data=st.data(), mask_form=st.sampled_from(MASK_FORMS), pos=st.booleans())
+        def chunk_form(self, data, mask_form, pos) -> None:
+            n = len(self.s.stream.history)
+            b = data.draw(batch(min_rows=n, max_rows=n, max_len=6, min_len=0, holes=False))
+            self.s.chunk_form(b, mask_form=mask_form, position_ids=pos)
+
+        @rule(rows=st.lists(st.lists(st.lists(token, min_size=1, max_size=5), min_size=1, max_size=3),
+                            min_size=1, max_size=3))
+        def restarts(self, rows) -> None:
+            self.s.restarts(rows)
+
+        @rule(kind=st.sampled_from(["batch0", "len0", "single", "single_pad"]), rows=st.integers(1, 3),
+              cached=st.booleans(), tok=token)
+        def sizes(self, kind, rows, cached, tok) -> None:
+            self.s.sizes(kind, rows=rows, cached=cached, token=min(tok, vocab - 4))
+
+        @rule(b=batch(holes=False, max_len=10), completion=st.lists(st.booleans(), min_size=1, max_size=6),
+              temperature=st.sampled_from([1.0, 1.0, 0.7]), entropy=st.booleans(), backward=st.booleans())
+        def logprobs(self, b, completion, temperature, entropy, backward) -> None:
+            self.s.logprobs(b, completion, temperature=temperature, entropy=entropy, backward=backward)
+
+        @rule(b=batch(max_len=8), wrapped=st.booleans(), packed=st.booleans())
+        def guard(self, b, wrapped, packed) -> None:
+            self.s.guard(b, wrapped=wrapped, packed=packed)
+
+        @rule(scenario=st.sampled_from(["right_pad_decode", "left_pad_decode_no_pos", "packed_seq_idx",
+                                        "chunked_prefill_pad"]), defect=st.booleans())
+        def audit(self, scenario, defect) -> None:
+            self.s.audit(scenario, defect=defect)
 
     FuzzMachine.__name__ = FuzzMachine.__qualname__ = f"Fuzz_{family}"
     return FuzzMachine
