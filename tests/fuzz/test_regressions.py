@@ -412,3 +412,14 @@ def test_batch_of_zero_rows(family: str) -> None:
     s = fuzz.Session(family, skip_known=False)
     s.sizes("batch0", cached=False)
     s.sizes("batch0", cached=True)
+
+
+# issue 37: an uncached recurrent_gemma call whose position_ids start past 0 ([3, 4, 5, 6]): stock runs the row from
+# a zero state without its sequence-start reset, safepad ran it from a reset, silently (0.47 off the row alone at
+# its positions); the earlier tokens' states are gone either way, so it now raises as the cached call did
+@pytest.mark.parametrize("family", [_param("recurrent_gemma", id="recurrent_gemma")])
+def test_uncached_positions_continuing_a_sequence(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forms([[5, 9, 7, 12], [8, 3, 6, 6]], mask_form="int", positions="offset", offset=3)
+    s.forms([[5, 9, 7, 12], [None, None, 8, 3]], mask_form="bool", positions="offset", offset=2)
+    s.sizes("len0", rows=2, cached=True)

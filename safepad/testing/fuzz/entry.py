@@ -5,7 +5,6 @@ on a correct and on a defective wrapped model. Each rule counts its surface (:at
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
@@ -19,7 +18,8 @@ from .known import _output_carries_cache
 __all__: list[str] = []
 
 #: the parameters an injected audit defect perturbs (+0.1), the first one a model has, in this order
-_DEFECT_PARAMS: tuple[str, ...] = ("dt_bias", "A_log", "conv1d.weight", "conv.weight")
+_DEFECT_PARAMS: tuple[str, ...] = ("dt_bias", "A_log", "recurrent_param", "conv1d.weight", "conv_1d.weight", "conv.weight",
+                                   "conv_qk_depthwise.weight")
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +68,15 @@ class _EntryRules:
                              position_ids=torch.tensor([positions], dtype=torch.long))
         return out.logits[0].float()
 
+    def _alone_segments(self, tokens: list[int], positions: list[int] | None) -> Tensor:
+        """``[L, V]`` logits of ``tokens`` read as safepad documents ``position_ids`` (docs/limits.md, "position_ids
+        layouts read as packing"): a new sequence at each 0 after the row's first real token; each sequence alone
+        through stock at its positions."""
+        if positions is None:
+            return self._alone(tokens)
+        starts = [0] + [i for i in range(1, len(positions)) if positions[i] == 0] + [len(tokens)]
+        return torch.cat([self._alone_at(tokens[a:z], positions[a:z]) for a, z in zip(starts, starts[1:])])
+
     # ---- masks and positions ------------------------------------------------------------------------------
 
     def forms(self, batch: Batch, mask_form: str = "int", positions: str = "arange", offset: int = 0,
@@ -110,7 +119,7 @@ class _EntryRules:
                 continue
             at = None if pos is None else pos[b][m].tolist()
             self._check(f"forms ({mask_form}, positions {positions}): logits of row {b}", out.logits[b][m],
-                        self._alone_at(toks, at))
+                        self._alone_segments(toks, at))
         if cached:
             cache = self._cache_of(dict(out.items()), kwargs)
             if cache is None:
@@ -380,6 +389,7 @@ class _EntryRules:
         (where the scenario applies)."""
         import safepad
         from ..scenarios import audit
+        from ..tiny import tiny_model
 
         kw = dict(scenario=scenario, defect=defect)
         if self._skip("audit", {**kw, "cached": True}):
@@ -390,7 +400,9 @@ class _EntryRules:
         self._record("audit", kw)
         self._surface("audit:defect" if defect else "audit:correct")
         wrap_fn = _perturbed_wrap(param) if defect else safepad.wrap
-        ok, report = self._run("audit", lambda: audit(copy.deepcopy(self.stock), wrap_fn, [scenario]))
+        # a fresh tiny model (the factory form): the shared stock twin may hold module states of earlier calls
+        factory = functools.partial(tiny_model, self.family, dtype=self.dtype)
+        ok, report = self._run("audit", lambda: audit(factory, wrap_fn, [scenario]))
         if not ok:
             return
         (res,) = report.wrapped
