@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._tracing import device_check, tracing
+
 __all__ = ["check_four_d_mask"]
 
 _MESSAGE = (
@@ -24,13 +26,19 @@ _MESSAGE = (
     "describe packed rows with seq_idx / cu_seq_lens_q or restarting position_ids."
 )
 
+#: the device check's short message (CUDA's limit: safepad._tracing.device_check)
+_DEVICE_MESSAGE = (
+    "a 4-D attention_mask hides keys inside the causal triangle (padding / packing), which the recurrent layers "
+    "cannot read: pass the 2-D [batch, seqlen] mask (docs/limits.md, check D10)"
+)
+
 
 def check_four_d_mask(attention_mask: object, model: str) -> None:
     """Raise ``ValueError`` when ``attention_mask`` is a 4-D tensor ``[B, 1 | H, T, L]`` (``L >= T``: the last
     ``T`` keys are the queries) that masks a key ``j <= L - T + i`` of a query ``i``; any other argument passes.
 
     bool masks: True = attend; floating masks are additive (0 attend, negative masked); others: nonzero = attend.
-    One host read per call that carries a 4-D mask (eager callers only).
+    One host read per call that carries a 4-D mask; while tracing, a device check (docs/limits.md, check D10).
     """
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 4 or attention_mask.numel() == 0:
         return
@@ -45,6 +53,9 @@ def check_four_d_mask(attention_mask: object, model: str) -> None:
     k = torch.arange(L, device=keep.device)[None, :]
     causal = k <= q + (L - T)  # [T, L]
     hidden = ~keep & causal  # [B, H', T, L]
+    if tracing():
+        device_check(~hidden.any(), _DEVICE_MESSAGE)
+        return
     if not bool(hidden.any()):
         return
     row, _, query, col = (int(x) for x in hidden.nonzero()[0].tolist())

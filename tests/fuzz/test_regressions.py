@@ -423,3 +423,17 @@ def test_uncached_positions_continuing_a_sequence(family: str) -> None:
     s.forms([[5, 9, 7, 12], [8, 3, 6, 6]], mask_form="int", positions="offset", offset=3)
     s.forms([[5, 9, 7, 12], [None, None, 8, 3]], mask_form="bool", positions="offset", offset=2)
     s.sizes("len0", rows=2, cached=True)
+
+
+# issue 37: the same 4-D mask under torch.compile(model): nemotron_h 0.44 off row 2 (a hole hidden by the mask)
+# before the traced device check (docs/limits.md, check D10)
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h")])
+def test_compiled_four_d_mask_hiding_pads(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.compile(mode="model", backend="eager")
+    try:
+        s.forms([[134, 44, 92, 221], [199, 201, None, None], [46, None, None, 244]], mask_form="4d_min",
+                positions="offset", offset=3)
+        assert s.stats.refused > 0
+    finally:
+        s.close()

@@ -228,7 +228,7 @@ class _EntryRules:
                 fresh = DynamicCache(config=self.model.config)
             if fresh is not None:
                 kwargs[self.io.cache_kw] = fresh
-        ok, out = self._run("sizes", lambda: self._call(kwargs), lambda: self._stock_call(kwargs))
+        ok, out = self._run("sizes", lambda: self._call(kwargs), lambda: self._stock_as_compiled(kwargs))
         if not ok:
             return
         if ids.numel() == 0:
@@ -245,6 +245,17 @@ class _EntryRules:
             cache = self._cache_of(dict(out.items()), kwargs)
             if cache is not None:
                 self.stream = _Stream(history, mask, cache, padded=kind == "single_pad")
+
+    def _stock_as_compiled(self, kwargs: dict[str, Any]) -> Any:
+        """The same call on the stock twin, compiled as the session's subject is (``torch.compile`` of its forward
+        with the session's backend; eager sessions: eager): dynamo refuses some calls stock eager takes (an empty
+        ``[0, T]`` / ``[B, 0]`` batch: a ``view(..., -1)`` of 0 elements in transformers' attention)."""
+        if self.compiled == "eager":
+            return self._stock_call(kwargs)
+        backend = self.compiled.split(":")[1]
+        kwargs = {k: v for k, v in kwargs.items() if k != self.io.cache_kw}
+        with torch.no_grad():
+            return torch.compile(self.stock.forward, backend=backend)(**kwargs)
 
     # ---- RL: packed log-probs -----------------------------------------------------------------------------
 
