@@ -391,6 +391,8 @@ class _EntryRules:
         if not wrapped and leaks and alarm is None:
             self._fail("guard: no alarm on the stock model fed " + ("a packed row" if packed else
                        "rows with padding after real tokens into a cache"))
+        if not wrapped and not packed and not bool((mask == 0).any()) and alarm is not None:
+            self._fail(f"guard: an alarm on the stock model fed rows without any padding: {alarm}")
 
     # ---- the audit's verdict ------------------------------------------------------------------------------
 

@@ -194,6 +194,11 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         def guard(self, b, wrapped, packed) -> None:
             self.s.guard(b, wrapped=wrapped, packed=packed)
 
+        @rule(seqs=st.lists(st.lists(token, min_size=2, max_size=8), min_size=2, max_size=3), wrapped=st.booleans(),
+              which=st.sampled_from(["guard", "shadow"]))
+        def callbacks(self, seqs, wrapped, which) -> None:
+            self.s.callbacks(seqs, wrapped=wrapped, which=which)
+
         @rule(scenario=st.sampled_from(["right_pad_decode", "left_pad_decode_no_pos", "packed_seq_idx",
                                         "chunked_prefill_pad"]), defect=st.booleans())
         def audit(self, scenario, defect) -> None:

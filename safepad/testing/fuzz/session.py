@@ -27,6 +27,7 @@ from .core import (
     _Stream,
 )
 from .entry import _EntryRules
+from .trainer import _TrainerRules
 from .known import KNOWN_DEFECTS, _output_carries_cache
 from .oracle import _Oracle
 
@@ -50,7 +51,7 @@ def _unpatch(model: nn.Module) -> None:
         model.forward = entry[1]
 
 
-class Session(_EntryRules, _Oracle):
+class Session(_EntryRules, _TrainerRules, _Oracle):
     """One family's wrapped model, its stock twin, and the calls a user makes; each call checks its outputs.
 
     Args:
