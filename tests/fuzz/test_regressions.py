@@ -437,3 +437,14 @@ def test_compiled_four_d_mask_hiding_pads(family: str) -> None:
         assert s.stats.refused > 0
     finally:
         s.close()
+
+
+# issue 37: packed_logprobs of a batch with no scored token (one-token rows, an all-zero completion_mask, only
+# pads) returned zeros outside the graph, so the caller's loss.backward() raised "element 0 of tensors does not
+# require grad" where the padded forward backpropagates zeros (mamba2, found by the fuzzer)
+@pytest.mark.parametrize("family", [_param("mamba2", id="mamba2"), _param("nemotron_h", id="nemotron_h")])
+def test_logprobs_backward_with_nothing_scored(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.logprobs([[3]], [False], backward=True)
+    s.logprobs([[5, 9, 7], [8, 3, None]], [False], entropy=True, backward=True)
+    s.logprobs([[None, None]], [True], backward=True)
