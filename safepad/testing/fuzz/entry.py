@@ -320,6 +320,10 @@ class _EntryRules:
         if backward and total is not None:
             total.backward()
             self._check_grads("logprobs")
+        elif backward:  # nothing scored: the backward ran, and moved nothing
+            for k, p in self.model.named_parameters():
+                if p.grad is not None and bool(p.grad.any()):
+                    self._fail(f"logprobs: nothing scored, yet parameter {k} has a nonzero gradient")
         self.stock.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 

@@ -115,7 +115,7 @@ class Session(_EntryRules, _TrainerRules, _Oracle):
     def _skip(self, rule: str, call: dict[str, Any]) -> bool:
         if not self.skip_known:
             return False
-        info = {**call, "stream": None, "compiled": self.compiled}
+        info = {**call, "stream": None, "compiled": self.compiled, "dtype": self.dtype}
         if self.stream is not None:
             info["stream"] = {"right": self.stream.right, "padded": self.stream.padded}
         for d in KNOWN_DEFECTS:
