@@ -407,9 +407,11 @@ class Session(_EntryRules, _TrainerRules, _Oracle):
         prompts = [[t for t in row if t is not None] for row in batch]
         if any(not p for p in prompts):
             return
-        if mode == "lookup":  # assisted generation serves one row: the first prompt, unpadded
+        if mode == "lookup":  # assisted generation serves one row: the first prompt, padded as drawn
             prompts = prompts[:1]
-            ids, mask = torch.tensor(prompts, dtype=torch.long), torch.ones(1, len(prompts[0]), dtype=torch.long)
+            ids, mask = ids[:1], mask[:1]
+            side = "right" if not bool(mask[0, -1]) else "left" if not bool(mask[0, 0]) else "unpadded"
+            self._surface(f"assisted:lookup_{side}{'_static' if static and use_cache else ''}")
         nrs = num_return_sequences if mode in ("sample", "beam") else 1
         gkw: dict[str, Any] = dict(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
