@@ -18,6 +18,8 @@ EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "10"))
 STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "6"))
 COMPILED_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_EXAMPLES", "3"))
 COMPILED_STEPS = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_STEPS", "4"))
+ENTRY_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_ENTRY_EXAMPLES", "4"))
+BF16_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_BF16_EXAMPLES", "4"))
 
 
 def _param(family: str):
@@ -31,7 +33,8 @@ FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_T
 
 @pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
 def test_fuzz_family(family: str, record_property) -> None:
-    stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0)
+    # the Trainer-callback and audit rules (about a second a draw) run on a few families below
+    stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0, heavy=False)
     record_property("fuzz_counts", stats.line())
     assert stats.calls > 0
 
@@ -94,3 +97,26 @@ def test_failure_is_reported_as_drawn_before_shrinking(caplog) -> None:
     drawn = [r.getMessage() for r in caplog.records if "before shrinking" in r.getMessage()]
     assert len(drawn) == 1 and "mamba2: " in drawn[0] and "s." in drawn[0], drawn
     assert STATS["mamba2 (stock)"].first_unshrunk is not None
+
+
+# The heavy entry points (a Trainer step with PaddingGuardCallback / ShadowCheckCallback, an audit scenario through
+# wrap_fn) on three families of different mixer kinds, with the rest of the machine; `make fuzz` draws them on every
+# family.
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "lfm2", "recurrent_gemma")])
+def test_fuzz_entry_points(family: str, record_property) -> None:
+    from safepad.testing.fuzz.core import STATS
+
+    STATS.pop(family, None)
+    stats = fuzz.run_family(family, ENTRY_EXAMPLES, STEPS, seed=1)
+    record_property("fuzz_counts", stats.line())
+    assert stats.calls > 0
+
+
+# bfloat16 sessions (the tolerance of safepad.testing.scenarios.default_tol) on two families
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "qwen3_next")])
+def test_fuzz_bfloat16(family: str, record_property) -> None:
+    import torch
+
+    stats = fuzz.run_family(family, BF16_EXAMPLES, STEPS, seed=2, dtype=torch.bfloat16, heavy=False)
+    record_property("fuzz_counts", stats.line())
+    assert stats.calls > 0

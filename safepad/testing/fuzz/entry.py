@@ -19,18 +19,29 @@ __all__: list[str] = []
 
 #: the parameters an injected audit defect perturbs (+0.1), the first one a model has, in this order
 _DEFECT_PARAMS: tuple[str, ...] = ("dt_bias", "A_log", "recurrent_param", "conv1d.weight", "conv_1d.weight", "conv.weight",
-                                   "conv_qk_depthwise.weight")
+                                   "conv_qk_depthwise.weight", "conv_qk_grouped.weight", "v_proj_delayed.weight")
 
 
 @functools.lru_cache(maxsize=None)
 def _defective(family: str, dtype: torch.dtype) -> str | None:
-    """The name of the parameter the injected audit defect perturbs in ``family``, or None when it has none."""
+    """The name of the parameter the injected audit defect perturbs in ``family`` (the first of
+    :data:`_DEFECT_PARAMS` whose + 0.1 moves the logits of a probe by more than 1e-2 relative, measured here), or
+    None when none does."""
+    import copy
+
     stock, _ = _models(family, dtype)
+    probe = torch.arange(3, 15)[None] % (int(stock.config.get_text_config().vocab_size) - 3) + 3
+    with torch.no_grad():
+        ref = stock(input_ids=probe, use_cache=False).logits.double()
     names = [n for n, _ in stock.named_parameters()]
     for suffix in _DEFECT_PARAMS:
-        hit = next((n for n in names if n.endswith(suffix)), None)
-        if hit is not None:
-            return hit
+        for name in (n for n in names if n.endswith(suffix)):
+            moved = copy.deepcopy(stock)
+            with torch.no_grad():
+                dict(moved.named_parameters())[name].add_(0.1)
+                got = moved(input_ids=probe, use_cache=False).logits.double()
+            if ((got - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item() > 1e-2:
+                return name
     return None
 
 
@@ -80,14 +91,17 @@ class _EntryRules:
     # ---- masks and positions ------------------------------------------------------------------------------
 
     def forms(self, batch: Batch, mask_form: str = "int", positions: str = "arange", offset: int = 0,
-              cached: bool = False) -> None:
+              cached: bool = False, blank: bool = False) -> None:
         """A forward of a padded batch with its attention mask in ``mask_form`` (:data:`forms.MASK_FORMS`) and
         ``position_ids`` in ``positions`` (:data:`forms.POSITION_FORMS`; ``offset`` for ``"offset"``). Uncached, or
         a cached prefill that starts the live stream (``cached``; positions ``none`` / ``arange`` only there, the
-        convention every later call continues). Each row equals the row alone at its positions, or safepad
-        raises (a 4-D mask hiding pads: the recurrent layers cannot read it)."""
+        convention every later call continues). ``blank``: the last row is all pads (of a batch of several; in
+        the first call of a cached session, its first real token comes in a later call). Each row equals the row
+        alone at its positions, or safepad raises (a 4-D mask hiding pads: the recurrent layers cannot read it)."""
         if cached and positions not in ("none", "arange"):
             positions = "arange"
+        if blank and len(batch) > 1:
+            batch = [*batch[:-1], [None] * len(batch[-1])]
         kw = dict(batch=batch, mask_form=mask_form, positions=positions, offset=offset, cached=cached)
         ids, mask, flags = _layout(batch)
         if self._skip("forms", {**kw, **flags, "cached": cached}):
@@ -95,6 +109,8 @@ class _EntryRules:
         self._record("forms", kw)
         self._surface(f"mask:{mask_form}")
         self._surface(f"positions:{positions}")
+        if any(all(t is None for t in row) for row in batch):
+            self._surface("sizes:pad_row_first_call" if cached else "sizes:pad_row")
         history = [[t for t in row if t is not None] for row in batch]
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": cached,
                                   "attention_mask": mask_in_form(mask, mask_form, ids.shape[1], self.dtype)}

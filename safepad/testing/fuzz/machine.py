@@ -51,11 +51,12 @@ COMPILE_MODES: tuple[tuple[str, str], ...] = (("model", "eager"), ("forward", "e
 
 
 def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = True, compile_every: int = 0,
-                compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES) -> type:
+                compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES, heavy: bool = True) -> type:
     """A hypothesis ``RuleBasedStateMachine`` subclass fuzzing ``family`` (its rules draw :class:`Session` calls;
     ``wrap=False`` fuzzes the stock model, which must fail). ``compile_every``: about one call sequence in that
     many runs compiled (a mode of ``compile_modes``, ``(mode, backend)`` pairs for :meth:`Session.compile`); 0:
-    every sequence eager; 1: every sequence compiled."""
+    every sequence eager; 1: every sequence compiled. ``heavy=False``: no ``callbacks`` / ``audit`` draws (a Trainer
+    step or an audit scenario, about a second each; the fixed-seed tier runs them on a few families of its own)."""
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
     stock, _ = _models(family, dtype, wrap)
@@ -164,9 +165,9 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         # ---- input forms and entry points (entry.py) ----
 
         @rule(b=batch(max_len=10), mask_form=st.sampled_from(MASK_FORMS), positions=st.sampled_from(POSITION_FORMS),
-              offset=st.integers(1, 6), cached=st.booleans())
-        def forms(self, b, mask_form, positions, offset, cached) -> None:
-            self.s.forms(b, mask_form=mask_form, positions=positions, offset=offset, cached=cached)
+              offset=st.integers(1, 6), cached=st.booleans(), blank=st.sampled_from([False, False, True]))
+        def forms(self, b, mask_form, positions, offset, cached, blank) -> None:
+            self.s.forms(b, mask_form=mask_form, positions=positions, offset=offset, cached=cached, blank=blank)
 
         @precondition(lambda self: self.s.stream is not None and self.s.stream.pending is None)
         @rule(data=st.data(), mask_form=st.sampled_from(MASK_FORMS), pos=st.booleans())
@@ -194,11 +195,13 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         def guard(self, b, wrapped, packed) -> None:
             self.s.guard(b, wrapped=wrapped, packed=packed)
 
+        @precondition(lambda self: heavy)
         @rule(seqs=st.lists(st.lists(token, min_size=2, max_size=8), min_size=2, max_size=3), wrapped=st.booleans(),
               which=st.sampled_from(["guard", "shadow"]))
         def callbacks(self, seqs, wrapped, which) -> None:
             self.s.callbacks(seqs, wrapped=wrapped, which=which)
 
+        @precondition(lambda self: heavy)
         @rule(scenario=st.sampled_from(["right_pad_decode", "left_pad_decode_no_pos", "packed_seq_idx",
                                         "chunked_prefill_pad"]), defect=st.booleans())
         def audit(self, scenario, defect) -> None:
@@ -210,15 +213,17 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
 
 def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
                dtype: torch.dtype = torch.float32, wrap: bool = True, compile_every: int = 0,
-               compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES, shrink: bool = True) -> FuzzStats:
+               compile_modes: tuple[tuple[str, str], ...] = COMPILE_MODES, shrink: bool = True,
+               heavy: bool = True) -> FuzzStats:
     """Fuzz ``family``: ``examples`` call sequences of up to ``steps`` calls; ``seed`` fixes the draws (None:
     random). Raises :class:`FuzzFailure` (the shrunk repro) on the first failure. ``wrap=False`` fuzzes the
     stock model (a check of the oracle: it must fail). ``compile_every``, ``compile_modes``: see
-    :func:`machine_for`. ``shrink=False``: raise the failing sequence as drawn (no minutes spent shrinking it)."""
+    :func:`machine_for`. ``shrink=False``: raise the failing sequence as drawn (no minutes spent shrinking it).
+    ``heavy``: see :func:`machine_for`."""
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    machine = machine_for(family, dtype, wrap, compile_every, compile_modes)
+    machine = machine_for(family, dtype, wrap, compile_every, compile_modes, heavy)
     stats = _stats(family if wrap else f"{family} (stock)")
     t0, c0 = time.perf_counter(), time.process_time()
     cfg = settings(
