@@ -120,8 +120,11 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         def decode(self, steps, pos) -> None:
             self.s.decode(steps, position_ids=pos)
 
+        # beams are compared token for token with stock's cache-free search: in half precision near-tied beam scores
+        # flip between the two (nemotron_h bfloat16), so beams are drawn in float32 only
         @rule(b=batch(holes=False, max_len=8), n=st.integers(1, 4), use_cache=st.booleans(),
-              mode=st.sampled_from(["greedy", "greedy", "sample", "beam", "lookup"]), nrs=st.integers(1, 2),
+              mode=st.sampled_from(["greedy", "greedy", "sample", "lookup"] + (["beam"] if dtype == torch.float32
+                                                                                 else [])), nrs=st.integers(1, 2),
               keep=st.booleans(), static=st.sampled_from([False, False, False, True]))
         def generate(self, b, n, use_cache, mode, nrs, keep, static) -> None:
             self.s.generate(b, max_new_tokens=n, use_cache=use_cache, mode=mode, num_return_sequences=nrs,
