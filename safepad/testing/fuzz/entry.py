@@ -343,6 +343,56 @@ class _EntryRules:
         self.stock.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
+    def grpo(self, batch: Batch, keep: int = 2, batch_size: int = 0, entropy: bool = False,
+             temperature: float = 1.0) -> None:
+        """:class:`safepad.PackedGRPOMixin`'s ``_get_per_token_logps_and_entropies`` (TRL's contract: the last
+        ``keep`` columns of ``[prompt | completion]`` rows, micro-batches of ``batch_size`` rows, 0: all) on a
+        minimal trainer object (``temperature``, an accelerator whose autocast does nothing) vs each row alone
+        through stock."""
+        import contextlib
+
+        from ...trainer_ext import PackedGRPOMixin
+
+        kw = dict(batch=batch, keep=keep, batch_size=batch_size, entropy=entropy, temperature=temperature)
+        ids, mask, flags = _layout(batch)
+        W = ids.shape[1]
+        keep = max(1, min(keep, W))
+        if self._skip("grpo", {**kw, **flags, "cached": False}):
+            return
+        self._record("grpo", kw)
+        self._surface("rl:grpo_mixin")
+
+        class _Accelerator:
+            autocast = staticmethod(contextlib.nullcontext)
+
+        class _Trainer(PackedGRPOMixin):
+            pass
+
+        trainer = _Trainer()
+        trainer.temperature, trainer.accelerator = temperature, _Accelerator()
+        ok, out = self._run("grpo", lambda: trainer._get_per_token_logps_and_entropies(
+            self.model, ids, mask, keep, batch_size or None, compute_entropy=entropy))
+        if not ok:
+            return
+        lp, ent, _ = out
+        ref_lp = torch.zeros(len(batch), keep, dtype=torch.float64)
+        ref_ent = torch.zeros(len(batch), keep, dtype=torch.float64)
+        for b, row in enumerate(batch):
+            cols = [j for j, t in enumerate(row) if t is not None]
+            toks = [row[j] for j in cols]
+            if len(toks) < 2:
+                continue
+            logp = torch.log_softmax(self._alone(toks).float() / temperature, dim=-1)
+            for i in range(1, len(cols)):
+                if cols[i] >= W - keep:
+                    ref_lp[b, cols[i] - (W - keep)] = logp[i - 1, toks[i]].double()
+                    ref_ent[b, cols[i] - (W - keep)] = -(logp[i - 1].exp() * logp[i - 1]).sum().double()
+        self._check("grpo: log-probs", lp, ref_lp)
+        if entropy:
+            if ent is None:
+                self._fail("grpo: compute_entropy=True returned no entropies")
+            self._check("grpo: entropies", ent, ref_ent)
+
     def _check_grads(self, what: str) -> None:
         """Every parameter gradient of the subject vs the stock one (relative to the largest stock gradient)."""
         ref = {k: p.grad for k, p in self.stock.named_parameters() if p.grad is not None}

@@ -194,6 +194,11 @@ def machine_for(family: str, dtype: torch.dtype = torch.float32, wrap: bool = Tr
         def logprobs(self, b, completion, temperature, entropy, backward) -> None:
             self.s.logprobs(b, completion, temperature=temperature, entropy=entropy, backward=backward)
 
+        @rule(b=batch(holes=False, max_len=10), keep=st.integers(1, 6), batch_size=st.integers(0, 2),
+              entropy=st.booleans(), temperature=st.sampled_from([1.0, 0.7]))
+        def grpo(self, b, keep, batch_size, entropy, temperature) -> None:
+            self.s.grpo(b, keep=keep, batch_size=batch_size, entropy=entropy, temperature=temperature)
+
         @rule(b=batch(max_len=8), wrapped=st.booleans(), packed=st.booleans())
         def guard(self, b, wrapped, packed) -> None:
             self.s.guard(b, wrapped=wrapped, packed=packed)
