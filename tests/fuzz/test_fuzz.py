@@ -12,6 +12,7 @@ import os
 import pytest
 
 from safepad.testing import fuzz
+from safepad.testing.fuzz.core import VARIANTS
 from safepad.testing.tiny import MODEL_TYPE_FAMILIES, family_available, family_names
 
 EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "10"))
@@ -23,12 +24,13 @@ BF16_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_BF16_EXAMPLES", "4"))
 
 
 def _param(family: str):
-    ok, why = family_available(family)
+    ok, why = family_available(VARIANTS.get(family, (family,))[0])
     return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
 
 
-# model-type aliases (qwen3_5 -> qwen3_5_text, ...) build the same tiny model: fuzzed once, under the family name
-FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_TYPE_FAMILIES[f] == f]
+# model-type aliases (qwen3_5 -> qwen3_5_text, ...) build the same tiny model: fuzzed once, under the family name;
+# and the fuzzer's config variants (recurrent_gemma_w4: a 4-token attention window)
+FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_TYPE_FAMILIES[f] == f] + list(VARIANTS)
 
 
 @pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .core import Batch, _layout, _models, _Stream
+from .core import Batch, _build, _layout, _models, _Stream
 from .forms import mask_in_form, positions_in_form
 from .known import _output_carries_cache
 
@@ -472,7 +472,6 @@ class _EntryRules:
         (where the scenario applies)."""
         import safepad
         from ..scenarios import audit
-        from ..tiny import tiny_model
 
         kw = dict(scenario=scenario, defect=defect)
         if self._skip("audit", {**kw, "cached": True}):
@@ -484,7 +483,7 @@ class _EntryRules:
         self._surface("audit:defect" if defect else "audit:correct")
         wrap_fn = _perturbed_wrap(param) if defect else safepad.wrap
         # a fresh tiny model (the factory form): the shared stock twin may hold module states of earlier calls
-        factory = functools.partial(tiny_model, self.family, dtype=self.dtype)
+        factory = functools.partial(_build, self.family, self.dtype)
         ok, report = self._run("audit", lambda: audit(factory, wrap_fn, [scenario]))
         if not ok:
             return

@@ -253,8 +253,10 @@ def run_family(family: str, examples: int, steps: int = 6, seed: int | None = 0,
 
 
 def fuzz_families() -> list[str]:
-    """Every supported tiny family the installed transformers has."""
+    """Every supported tiny family the installed transformers has, and the variants of those (``VARIANTS``)."""
     from ..tiny import family_available, family_names
+    from .core import VARIANTS
 
-    return [f for f in family_names() if family_available(f)[0]]
+    names = [f for f in family_names() if family_available(f)[0]]
+    return names + [v for v, (base, _) in VARIANTS.items() if base in names]
 
