@@ -448,3 +448,13 @@ def test_logprobs_backward_with_nothing_scored(family: str) -> None:
     s.logprobs([[3]], [False], backward=True)
     s.logprobs([[5, 9, 7], [8, 3, None]], [False], entropy=True, backward=True)
     s.logprobs([[None, None]], [True], backward=True)
+
+
+# issue 37: ShadowCheckCallback crashed every training step of GraniteMoeHybrid on packed rows ('dict' object has no
+# attribute 'detach': safepad's pre-hook hands that model a dict of block-diagonal masks, which the callback's
+# forward hook read as the padding mask); found by the fuzzer's callbacks rule
+@pytest.mark.parametrize("family", [_param("granitemoehybrid", id="granitemoehybrid")])
+def test_shadow_check_on_a_model_given_a_mask_mapping(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.callbacks([[188, 4, 154], [188, 4, 154], [188, 4, 154]], wrapped=True, which="shadow")
+    s.callbacks([[188, 4, 154], [7, 9]], wrapped=False, which="shadow")
