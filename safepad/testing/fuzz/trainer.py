@@ -27,7 +27,7 @@ class _TrainerRules:
         not), the sequences ``seqs`` packed by :class:`safepad.DataCollatorForPackedSSM` into one row, with
         ``which`` (``"guard"``: ``PaddingGuardCallback``; ``"shadow"``: ``ShadowCheckCallback(every_n_steps=1)``)
         in mode ``"error"``. The stock run's collator keeps restarting ``position_ids`` only."""
-        from transformers import Trainer, TrainingArguments
+        from transformers import PrinterCallback, Trainer, TrainingArguments
 
         import safepad
         from ...errors import PaddingError
@@ -63,6 +63,7 @@ class _TrainerRules:
             )
             trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": s} for s in seqs],
                               data_collator=collate, callbacks=[cb])
+            trainer.remove_callback(PrinterCallback)  # the step's logs would print on every draw
             self.stats.calls += 1
             self.stats.rules["callbacks"] = self.stats.rules.get("callbacks", 0) + 1
             with warnings.catch_warnings():
