@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .core import Batch, _build, _layout, _models, _Stream
-from .forms import mask_in_form, positions_in_form
+from .forms import mask_in_form, positions_in_form, stacked
 from .known import _output_carries_cache
 
 __all__: list[str] = []
@@ -116,7 +116,7 @@ class _EntryRules:
                                   "attention_mask": mask_in_form(mask, mask_form, ids.shape[1], self.dtype)}
         pos = positions_in_form(mask, positions, offset=offset) if self.io.takes_positions else None
         if pos is not None:
-            kwargs["position_ids"] = pos
+            kwargs["position_ids"] = stacked(pos, positions)
         if cached:
             self.stream = None
             fresh = self.io.fresh_cache()

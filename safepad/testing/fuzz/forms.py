@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["MASK_FORMS", "POSITION_FORMS", "mask_in_form", "positions_in_form"]
+__all__ = ["MASK_FORMS", "POSITION_FORMS", "mask_in_form", "positions_in_form", "stacked"]
 
 #: every attention-mask form transformers accepts: 2-D int / bool / float (0 / 1), 4-D bool, 4-D additive float
 #: with ``-inf`` or ``finfo.min`` at masked keys
@@ -17,8 +17,10 @@ MASK_FORMS: tuple[str, ...] = ("int", "bool", "float", "4d_bool", "4d_inf", "4d_
 
 #: ``position_ids`` conventions: none; generate's ``cumsum(mask) - 1`` (``arange`` on unpadded rows); the same
 #: from a non-zero start (an offset, e.g. a continued document); from -1 (``[-1, 0, 1, ...]``, which transformers'
-#: packing detection reads as one sequence and safepad's restart-at-0 reading as two: safepad must raise)
-POSITION_FORMS: tuple[str, ...] = ("none", "arange", "offset", "negative")
+#: packing detection reads as one sequence and safepad's restart-at-0 reading as two: safepad must raise); the
+#: generate-style ones stacked ``[3, B, T]`` / ``[4, B, T]`` (multimodal RoPE rows; text row first for 4), which
+#: stock's Qwen3.5 / Qwen4-Exp / GLM-5 Next text models take (:func:`stacked`)
+POSITION_FORMS: tuple[str, ...] = ("none", "arange", "offset", "negative", "mrope3", "mrope4")
 
 
 def mask_in_form(mask: Tensor, form: str, queries: int, dtype: torch.dtype) -> Tensor:
@@ -46,6 +48,8 @@ def positions_in_form(mask: Tensor, form: str, start: Tensor | None = None, offs
     (``"offset"``) or minus 1 (``"negative"``); pads hold 1."""
     if form == "none":
         return None
+    if form.startswith("mrope"):
+        form = "arange"
     pos = mask.long().cumsum(-1) - 1
     if start is not None:
         pos = pos + start[:, None]
@@ -54,3 +58,11 @@ def positions_in_form(mask: Tensor, form: str, start: Tensor | None = None, offs
     elif form == "negative":
         pos = pos - 1
     return pos.masked_fill(mask == 0, 1)
+
+
+def stacked(positions: Tensor, form: str) -> Tensor:
+    """``positions`` ``[B, W]`` as the ``[K, B, W]`` layout of ``form`` (``"mrope3"``: K = 3, ``"mrope4"``: 4, every row
+    the same, as ``get_rope_index`` gives text tokens); other forms: unchanged."""
+    if not form.startswith("mrope"):
+        return positions
+    return positions[None].expand(int(form[-1]), *positions.shape).clone()
