@@ -6,12 +6,13 @@ from the guard callback; from the shadow check exactly when the packed forward i
 
 from __future__ import annotations
 
-import copy
 import tempfile
 import warnings
 from typing import Any
 
 import torch
+
+from .core import _build
 
 __all__: list[str] = []
 
@@ -42,7 +43,9 @@ class _TrainerRules:
             return
         self._record("callbacks", kw)
         self._surface(f"callbacks:{which}_{'wrapped' if wrapped else 'stock'}")
-        model = copy.deepcopy(self.stock)
+        # a fresh build of the same weights (seeded): the shared stock twin may hold module states of earlier calls
+        # that a deep copy refuses (RecurrentGemma's, with a grad_fn after an oracle backward)
+        model = _build(self.family, self.dtype)
         model.train()
         if wrapped:
             model = safepad.wrap(model)
