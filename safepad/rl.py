@@ -259,6 +259,18 @@ def _head_chunk(h: Tensor, targets: Tensor, head: _OwnHead, temperature: float) 
     return picked, entropy
 
 
+def _attached(x: Tensor, model: nn.Module) -> Tensor:
+    """``x`` (zeros: no token scored) attached to the graph of every trainable parameter of ``model`` by a zero
+    term, while grad is enabled: a loss built on it backpropagates (zero gradients, as the padded forward of a batch
+    whose every token is masked gives) instead of raising "does not require grad" in the caller's backward."""
+    if not torch.is_grad_enabled() or x.requires_grad:
+        return x
+    terms = [p.reshape(-1)[:1].sum().float() for p in model.parameters() if p.requires_grad and p.numel()]
+    if not terms:
+        return x
+    return x + (torch.stack([t.to(x.device) for t in terms]).sum() * 0.0)
+
+
 def _forward(
     model: nn.Module,
     input_ids: Tensor,
@@ -285,8 +297,8 @@ def _forward(
     mask = _check_inputs(input_ids, attention_mask, completion_mask)
     B, T = input_ids.shape
     if not bool(mask.any()):  # T = 0, B = 0 or only pads: no log-prob to compute, the model is not run
-        zeros = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
-        aux = zeros.new_zeros(()) if compute_aux_loss else None
+        zeros = _attached(torch.zeros(B, T, dtype=torch.float32, device=input_ids.device), model)
+        aux = _attached(zeros.new_zeros(()), model) if compute_aux_loss else None
         return zeros, zeros.clone(), aux
     scored = mask.clone()
     scored[:, 1:] &= mask[:, :-1]  # the first token of each sequence has no prediction
@@ -301,7 +313,8 @@ def _forward(
     logps = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros(B * T, dtype=torch.float32, device=input_ids.device)
     if plan.ids.numel() == 0:
-        return logps.view(B, T), entropy.view(B, T), (logps.new_zeros(()) if compute_aux_loss else None)
+        aux = _attached(logps.new_zeros(()), model) if compute_aux_loss else None
+        return _attached(logps.view(B, T), model), _attached(entropy.view(B, T), model), aux
     extra: dict[str, object] = {}
     if compute_aux_loss:
         _check_router_loss_mask(lm)
@@ -352,6 +365,8 @@ def _forward(
     if picked:
         logps = logps.index_put((src,), torch.cat(picked))
         entropy = entropy.index_put((src,), torch.cat(ents))
+    else:  # no token scored (one-token sequences, an all-zero completion_mask)
+        logps, entropy = _attached(logps, model), _attached(entropy, model)
     aux_loss = None
     if compute_aux_loss:
         aux_loss = getattr(out, "aux_loss", None)
@@ -402,7 +417,8 @@ def packed_logprobs(
     before ``t`` in row ``b``'s own sequence, as if that sequence ran alone (no padding, no cache) through the
     model. ``out`` is 0 at the first token of each sequence, at pads and where ``completion_mask`` is 0, and
     differentiable (gradients reach the model's parameters as through the padded forward). A batch without a
-    real token (``T = 0``, ``B = 0`` or only pads) gives zeros ``[B, T]`` without running the model.
+    real token (``T = 0``, ``B = 0`` or only pads) gives zeros ``[B, T]`` without running the model; while grad is
+    enabled, zeros a loss can backpropagate through (zero gradients for every trainable parameter).
 
     Args:
         model: a :func:`safepad.wrap`-ped causal LM (or a DDP / PEFT wrapper of one).

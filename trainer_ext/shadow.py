@@ -194,6 +194,15 @@ def _lm_head_weight(model: nn.Module) -> tuple[Tensor, Tensor | None]:
     return full[0].detach().float(), (full[1].detach().float() if len(full) > 1 else None)
 
 
+def _padding_mask(mask: Any) -> Tensor | None:
+    """The ``[B, T]`` padding mask of a forward's ``attention_mask`` as the forward hook sees it: safepad's pre-hook
+    may have replaced it by a dict of per-layer masks (a packed call of a model whose attention mask it builds,
+    GraniteMoeHybrid: block-diagonal, no padding) or a caller may give a 4-D one; their 2-D entry, or None."""
+    if isinstance(mask, Mapping):
+        return next((m for m in mask.values() if isinstance(m, Tensor) and m.dim() == 2), None)
+    return mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -429,7 +438,7 @@ class ShadowCheckCallback(TrainerCallback):
         )
         starts = sequence_starts(kwargs, (B, T), extra)
         labels = kwargs.get("labels")
-        segs = segments(starts, kwargs.get("attention_mask"))
+        segs = segments(starts, _padding_mask(kwargs.get("attention_mask")))
         if isinstance(labels, Tensor) and tuple(labels.shape) == (B, T):
             lab = labels.detach().cpu()
             segs = [s for s in segs if s.length >= 2 and bool((lab[s.row, s.start + 1 : s.end] != _IGNORE).any())]

@@ -65,11 +65,14 @@ def _check_cache_layer(cache, idx: int) -> None:
         )
 
 
-def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask: Tensor | None) -> None:
-    """A cached call whose ``position_ids`` ``[B, T]`` continue a sequence (a row's first real token past 0) on a
-    cache that holds no state for this block: the stock forward returns no cache and builds a new one on every call
-    without one, so the tokens before are gone. Raise naming the fix instead of starting a new sequence."""
-    if tracing() or not isinstance(position_ids, Tensor) or position_ids.dim() != 2:
+def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask: Tensor | None,
+                                        cached: bool = True) -> None:
+    """A call whose ``position_ids`` ``[B, T]`` continue a sequence (a row's first real token past 0) with no state
+    for this block: a cache that holds none (``cached``; the stock forward returns no cache and builds a new one on
+    every call without one) or no cache at all (``use_cache=False``: stock runs such a row from a zero state
+    without its sequence-start reset, safepad from a reset; neither is the sequence). The tokens before are gone:
+    raise naming the fix instead of starting a new sequence."""
+    if tracing() or not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.numel() == 0:
         return
     pos = position_ids
     if isinstance(mask, Tensor) and tuple(mask.shape) == tuple(pos.shape):
@@ -77,6 +80,14 @@ def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask:
     first = pos.amin(dim=1)  # [B]: each row's first real position
     first = first[first < torch.iinfo(pos.dtype).max]  # rows with a real token
     if first.numel() and bool((first > 0).any()):
+        if not cached:
+            raise ValueError(
+                f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
+                f"{int(first.max())}), but this call has no cache, so the earlier tokens' recurrent states are gone "
+                "(stock RecurrentGemma would run the row from a zero state without its sequence-start reset). Pass "
+                "the whole sequence, continue it through the cache of its earlier tokens (DynamicCache(config="
+                "model.config), handed to every call), or give position_ids that start at 0."
+            )
         raise ValueError(
             f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
             f"{int(first.max())}), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
@@ -156,8 +167,8 @@ def rg_lru_block_forward(
               lru.recurrent_param)
     c = float(opts.get("c", 8.0))
     past = read_states(cache, idx) if cache is not None else read_states(None, 0)
-    if cache is not None and not past.has_previous:
-        _refuse_continuation_without_states(self, position_ids, mask2d)
+    if not past.has_previous:
+        _refuse_continuation_without_states(self, position_ids, mask2d, cached=cache is not None)
 
     started = _rows_started(cache, idx, B) if past.has_previous else None  # [B] bool, or None: every row
 

@@ -229,7 +229,7 @@ class _CausalConv:
         A block reads the ``K-1`` tokens before it, so blocks after the first must start at ``t0 >= K-1``.
         """
         Bsz, T, D = x.shape
-        tb = max(head.shape[1], 1, _BLOCK_BYTES // (Bsz * D * x.element_size()))
+        tb = max(head.shape[1], 1, _BLOCK_BYTES // max(1, Bsz * D * x.element_size()))  # batch 0: one empty block
         return tb, torch.cat([head, x[:, : min(T, tb)]], dim=1)
 
     @staticmethod

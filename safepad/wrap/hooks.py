@@ -41,6 +41,7 @@ from ..cache import (
 from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
 from ..layout.masks import check_mask_values, has_holes, pads_before_real
+from ..layout.masks_4d import check_four_d_mask
 from ..layout.normalize import (
     multi_sequence,
     normalize_boundaries,
@@ -220,6 +221,8 @@ class _ModelPreHook:
             # decode step; on CUDA a failure loses the context). Inside the model's wrapped generate, which checked
             # the caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones
             check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
+            # a 4-D mask hiding pads / boundaries reaches attention only: refused (one host read; traced: on the device)
+            check_four_d_mask(kwargs.get("attention_mask"), type(module).__name__)
         token_mask = None
         # generate's own next token (a host-side fact, eager only): every row's token is real, no mask reaches the
         # mixers
@@ -312,9 +315,12 @@ class _ModelPreHook:
         if "use_cache" in plan.params or plan.var_kwargs:
             kwargs["use_cache"] = False  # the config default would build a cache nobody can use
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if isinstance(mask, torch.Tensor) and mask.dim() in (2, 4):
             # an all-ones mask carries no padding, but transformers detects packing from position_ids only
-            # when no 2-D mask is given: drop it so that attention layers see the boundaries
+            # when no 2-D mask is given: drop it so that attention layers see the boundaries. A 4-D mask here is a
+            # plain causal one (check_four_d_mask refuses any other, on the device while tracing): it carries no
+            # boundaries either, and kept it would hand attention one sequence per row while the recurrent layers
+            # read the packing
             kwargs["attention_mask"] = None
         if plan.hybrid and kwargs.get("position_ids") is None and plan.accepts_position_ids:
             kwargs["position_ids"] = position_ids_from_seq_idx(seq_idx).to(ids.device)

@@ -12,26 +12,31 @@ import os
 import pytest
 
 from safepad.testing import fuzz
+from safepad.testing.fuzz.core import VARIANTS
 from safepad.testing.tiny import MODEL_TYPE_FAMILIES, family_available, family_names
 
 EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_EXAMPLES", "10"))
 STEPS = int(os.environ.get("SAFEPAD_FUZZ_STEPS", "6"))
 COMPILED_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_EXAMPLES", "3"))
 COMPILED_STEPS = int(os.environ.get("SAFEPAD_FUZZ_COMPILED_STEPS", "4"))
+ENTRY_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_ENTRY_EXAMPLES", "4"))
+BF16_EXAMPLES = int(os.environ.get("SAFEPAD_FUZZ_BF16_EXAMPLES", "4"))
 
 
 def _param(family: str):
-    ok, why = family_available(family)
+    ok, why = family_available(VARIANTS.get(family, (family,))[0])
     return pytest.param(family, id=family, marks=() if ok else pytest.mark.skip(reason=why))
 
 
-# model-type aliases (qwen3_5 -> qwen3_5_text, ...) build the same tiny model: fuzzed once, under the family name
-FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_TYPE_FAMILIES[f] == f]
+# model-type aliases (qwen3_5 -> qwen3_5_text, ...) build the same tiny model: fuzzed once, under the family name;
+# and the fuzzer's config variants (recurrent_gemma_w4: a 4-token attention window)
+FAMILIES = [f for f in family_names() if f not in MODEL_TYPE_FAMILIES or MODEL_TYPE_FAMILIES[f] == f] + list(VARIANTS)
 
 
 @pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
 def test_fuzz_family(family: str, record_property) -> None:
-    stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0)
+    # the Trainer-callback and audit rules (about a second a draw) run on a few families below
+    stats = fuzz.run_family(family, EXAMPLES, STEPS, seed=0, heavy=False)
     record_property("fuzz_counts", stats.line())
     assert stats.calls > 0
 
@@ -94,3 +99,26 @@ def test_failure_is_reported_as_drawn_before_shrinking(caplog) -> None:
     drawn = [r.getMessage() for r in caplog.records if "before shrinking" in r.getMessage()]
     assert len(drawn) == 1 and "mamba2: " in drawn[0] and "s." in drawn[0], drawn
     assert STATS["mamba2 (stock)"].first_unshrunk is not None
+
+
+# The heavy entry points (a Trainer step with PaddingGuardCallback / ShadowCheckCallback, an audit scenario through
+# wrap_fn) on three families of different mixer kinds, with the rest of the machine; `make fuzz` draws them on every
+# family.
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "lfm2", "recurrent_gemma")])
+def test_fuzz_entry_points(family: str, record_property) -> None:
+    from safepad.testing.fuzz.core import STATS
+
+    STATS.pop(family, None)
+    stats = fuzz.run_family(family, ENTRY_EXAMPLES, STEPS, seed=1)
+    record_property("fuzz_counts", stats.line())
+    assert stats.calls > 0
+
+
+# bfloat16 sessions (the tolerance of safepad.testing.scenarios.default_tol) on two families
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "qwen3_next")])
+def test_fuzz_bfloat16(family: str, record_property) -> None:
+    import torch
+
+    stats = fuzz.run_family(family, BF16_EXAMPLES, STEPS, seed=2, dtype=torch.bfloat16, heavy=False)
+    record_property("fuzz_counts", stats.line())
+    assert stats.calls > 0

@@ -384,3 +384,77 @@ def test_decode_step_on_the_cache_of_a_compiled_right_padded_generate(family: st
         s.chunk(batch=[[224], [29], [216]], position_ids=False)
     finally:
         s.close()
+
+
+# issue 37: a 4-D attention mask reaches the attention layers only; the recurrent layers ran over the pads it hid
+# (nemotron_h, a left-padded row: 0.75 off the row alone). Now refused, naming the key column and the 2-D fix.
+@pytest.mark.parametrize("form", [pytest.param(f, id=f) for f in ("4d_bool", "4d_inf", "4d_min")])
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h"), _param("qwen3_next", id="qwen3_next")])
+def test_four_d_mask_hiding_pads(family: str, form: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forms([[5, 9, 7, 12], [None, None, 8, 3]], mask_form=form, positions="none")
+    assert s.stats.refused > 0
+
+
+# issue 37: a plain causal 4-D mask next to position_ids [-1, 0, 1, 2]: the recurrent layers read two sequences
+# (a restart at 0), attention the one the mask gives, silently (nemotron_h 0.55 off the row alone at its positions).
+# The mask is now dropped on such a packed call as a 2-D one is, and the disagreeing readings raise.
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h"), _param("qwen3_next", id="qwen3_next")])
+def test_causal_four_d_mask_with_restarting_positions(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forms([[5, 9, 7, 12], [8, 3, 6, 6]], mask_form="4d_bool", positions="negative")
+    s.restarts([[[5, 6, 7], [8]], [[3, 4], [5, 6]]])
+
+
+# issue 37: a batch of 0 rows raised ZeroDivisionError in safepad's causal conv (stock returns [0, T, V] logits)
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h"), _param("mamba2", id="mamba2")])
+def test_batch_of_zero_rows(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.sizes("batch0", cached=False)
+    s.sizes("batch0", cached=True)
+
+
+# issue 37: an uncached recurrent_gemma call whose position_ids start past 0 ([3, 4, 5, 6]): stock runs the row from
+# a zero state without its sequence-start reset, safepad ran it from a reset, silently (0.47 off the row alone at
+# its positions); the earlier tokens' states are gone either way, so it now raises as the cached call did
+@pytest.mark.parametrize("family", [_param("recurrent_gemma", id="recurrent_gemma")])
+def test_uncached_positions_continuing_a_sequence(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.forms([[5, 9, 7, 12], [8, 3, 6, 6]], mask_form="int", positions="offset", offset=3)
+    s.forms([[5, 9, 7, 12], [None, None, 8, 3]], mask_form="bool", positions="offset", offset=2)
+    s.sizes("len0", rows=2, cached=True)
+
+
+# issue 37: the same 4-D mask under torch.compile(model): nemotron_h 0.44 off row 2 (a hole hidden by the mask)
+# before the traced device check (docs/limits.md, check D10)
+@pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h")])
+def test_compiled_four_d_mask_hiding_pads(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.compile(mode="model", backend="eager")
+    try:
+        s.forms([[134, 44, 92, 221], [199, 201, None, None], [46, None, None, 244]], mask_form="4d_min",
+                positions="offset", offset=3)
+        assert s.stats.refused > 0
+    finally:
+        s.close()
+
+
+# issue 37: packed_logprobs of a batch with no scored token (one-token rows, an all-zero completion_mask, only
+# pads) returned zeros outside the graph, so the caller's loss.backward() raised "element 0 of tensors does not
+# require grad" where the padded forward backpropagates zeros (mamba2, found by the fuzzer)
+@pytest.mark.parametrize("family", [_param("mamba2", id="mamba2"), _param("nemotron_h", id="nemotron_h")])
+def test_logprobs_backward_with_nothing_scored(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.logprobs([[3]], [False], backward=True)
+    s.logprobs([[5, 9, 7], [8, 3, None]], [False], entropy=True, backward=True)
+    s.logprobs([[None, None]], [True], backward=True)
+
+
+# issue 37: ShadowCheckCallback crashed every training step of GraniteMoeHybrid on packed rows ('dict' object has no
+# attribute 'detach': safepad's pre-hook hands that model a dict of block-diagonal masks, which the callback's
+# forward hook read as the padding mask); found by the fuzzer's callbacks rule
+@pytest.mark.parametrize("family", [_param("granitemoehybrid", id="granitemoehybrid")])
+def test_shadow_check_on_a_model_given_a_mask_mapping(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.callbacks([[188, 4, 154], [188, 4, 154], [188, 4, 154]], wrapped=True, which="shadow")
+    s.callbacks([[188, 4, 154], [7, 9]], wrapped=False, which="shadow")

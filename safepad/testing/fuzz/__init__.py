@@ -9,7 +9,11 @@ backward, a packed row (``position_ids`` restarts, ``seq_idx``, ``cu_seq_lens_q/
 chunk or decode step continuing the live cache, ``generate`` (greedy, seeded sampling, beams, both pad sides,
 ``use_cache`` on and off, continuing from the returned cache), cache operations (deepcopy, reuse, reorder,
 select) and output options (``output_hidden_states``, ``output_attentions``, ``logits_to_keep``,
-``return_dict=False``).
+``return_dict=False``). Beyond the plain forward: every attention-mask form transformers accepts (2-D int / bool /
+float, 4-D bool and additive float, the form changing within one cached session), ``position_ids`` conventions
+(none, generate-style, offset and -1 starts, restarts read by ``find_packed_sequence_indices``), degenerate sizes,
+:func:`safepad.packed_logprobs`, :func:`safepad.guard`, the Trainer callbacks, the audit's verdict and assisted
+generation; each is counted per family (``FuzzStats.surfaces``) and printed.
 
 The oracle: every returned tensor (logits of real tokens, hidden states, attention weights over real keys,
 loss, parameter gradients, generated tokens and their logits) equals what each row gives alone through the
@@ -30,7 +34,9 @@ the draws it skips, why) and every skipped draw is counted and printed.
 
 The package by concern: ``core`` (ids, failure type, model pairs, counts, batch layout), ``known``
 (:data:`KNOWN_DEFECTS`), ``oracle`` (reference runs and comparisons), ``session`` (:class:`Session`, the calls),
-``machine`` (the state machine, :func:`run_family`), ``cli`` (:func:`main`).
+``machine`` (the state machine, :func:`run_family`), ``cli`` (:func:`main`), ``forms`` (mask forms and position
+conventions), ``entry`` (the rules for forms, sizes, log-probs, the guard and the audit), ``trainer`` (the Trainer
+callbacks rule).
 """
 
 from __future__ import annotations

@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shrink-minutes", type=float, default=float(os.environ.get("FUZZ_SHRINK_MINUTES", "10")),
                    help="shrink a failure only while at least this much of the run is left; otherwise report it "
                         "as drawn")
+    p.add_argument("--dtype", default=os.environ.get("FUZZ_DTYPE", "float32"), choices=("float32", "bfloat16"),
+                   help="the models' dtype (bfloat16: the tolerance of safepad.testing.scenarios.default_tol)")
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     handler = logging.StreamHandler(sys.stdout)  # a failure as drawn, the moment it happens (session.py logs it)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -55,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 shrink = deadline - time.monotonic() >= args.shrink_minutes * 60
                 try:
-                    run_family(fam, args.examples, args.steps, seed=None, compile_every=args.compile_every,
-                               shrink=shrink)
+                    run_family(fam, args.examples, args.steps, seed=None, dtype=dtype,
+                               compile_every=args.compile_every, shrink=shrink)
                 except Exception as exc:  # noqa: BLE001 -- collect, report, go on with the others
                     notes = "\n".join(getattr(exc, "__notes__", []))  # hypothesis' reproduce blob, if any
                     failed[fam] = f"{type(exc).__name__}: {exc}" + (f"\n{notes}" if notes else "")

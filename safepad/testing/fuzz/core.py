@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FIRST_TOKEN", "PAD_ID", "STATS", "Batch", "FuzzFailure", "FuzzStats"]
+__all__ = ["FIRST_TOKEN", "PAD_ID", "STATS", "VARIANTS", "Batch", "FuzzFailure", "FuzzStats"]
 
 PAD_ID = 0
 FIRST_TOKEN = 3  # drawn tokens avoid the pad / bos / eos ids
@@ -30,14 +30,28 @@ class FuzzFailure(AssertionError):
 # --------------------------------------------------------------------------------------------------------------
 
 
+#: fuzzed variants of a tiny family: name -> (family, config overrides). RecurrentGemma with a 4-token attention
+#: window (the tiny model's 64 is longer than every drawn row, so no window would ever slide)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "recurrent_gemma_w4": ("recurrent_gemma", {"attention_window_size": 4}),
+}
+
+
+def _build(family: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A fresh stock tiny model of ``family`` (or of a :data:`VARIANTS` entry)."""
+    from ..tiny import tiny_model
+
+    base, overrides = VARIANTS.get(family, (family, {}))
+    return tiny_model(base, dtype=dtype, **overrides)
+
+
 @functools.lru_cache(maxsize=None)
 def _models(family: str, dtype: torch.dtype = torch.float32, wrap: bool = True) -> tuple[nn.Module, nn.Module]:
     """(stock, subject) tiny models of ``family``: the same weights, the subject a deep copy, wrapped by
     :func:`safepad.wrap` (``wrap=False``: left stock, to check that the oracle catches stock's defects)."""
     import safepad
-    from ..tiny import tiny_model
 
-    stock = tiny_model(family, dtype=dtype)
+    stock = _build(family, dtype)
     subject = copy.deepcopy(stock)
     return stock, safepad.wrap(subject) if wrap else subject
 
@@ -98,6 +112,7 @@ class FuzzStats:
     calls: int = 0
     refused: int = 0
     rules: dict[str, int] = field(default_factory=dict)
+    surfaces: dict[str, int] = field(default_factory=dict)  # input forms and entry points drawn ("mask:4d_bool", ...)
     skipped: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     first_unshrunk: str | None = None  # the first failing call sequence as drawn, before hypothesis shrinks it
@@ -110,8 +125,18 @@ class FuzzStats:
             f"{self.family:22s} sequences {self.sequences:5d} (compiled {self.compiled:3d})  calls {self.calls:6d}  "
             f"refused {self.refused:4d}  "
             f"failures {len(self.failures)}  {self.seconds:6.1f} s ({self.cpu_seconds:.1f} s CPU)  "
-            f"skipped draws: {skipped}"
+            f"skipped draws: {skipped}\n{'':22s} surfaces: {self.surface_line()}"
         )
+
+    def surface_line(self) -> str:
+        """The surfaces drawn, grouped: ``masks int 3 bool 1 ... | positions ... | sizes ... | rl ... | guard ... |
+        audit ...`` (a group with no draw reads 0)."""
+        groups: dict[str, list[str]] = {g: [] for g in ("mask", "positions", "sizes", "dtype", "rl", "guard", "callbacks",
+                                                                "audit", "assisted")}
+        for k, v in sorted(self.surfaces.items()):
+            g, _, name = k.partition(":")
+            groups.setdefault(g, []).append(f"{name} {v}")
+        return " | ".join(f"{g} " + (" ".join(v) if v else "0") for g, v in groups.items())
 
 
 STATS: dict[str, FuzzStats] = {}

@@ -26,6 +26,8 @@ from .core import (
     _stats,
     _Stream,
 )
+from .entry import _EntryRules
+from .trainer import _TrainerRules
 from .known import KNOWN_DEFECTS, _output_carries_cache
 from .oracle import _Oracle
 
@@ -49,7 +51,7 @@ def _unpatch(model: nn.Module) -> None:
         model.forward = entry[1]
 
 
-class Session(_Oracle):
+class Session(_EntryRules, _TrainerRules, _Oracle):
     """One family's wrapped model, its stock twin, and the calls a user makes; each call checks its outputs.
 
     Args:
@@ -113,7 +115,7 @@ class Session(_Oracle):
     def _skip(self, rule: str, call: dict[str, Any]) -> bool:
         if not self.skip_known:
             return False
-        info = {**call, "stream": None, "compiled": self.compiled}
+        info = {**call, "stream": None, "compiled": self.compiled, "dtype": self.dtype}
         if self.stream is not None:
             info["stream"] = {"right": self.stream.right, "padded": self.stream.padded}
         for d in KNOWN_DEFECTS:
@@ -405,9 +407,11 @@ class Session(_Oracle):
         prompts = [[t for t in row if t is not None] for row in batch]
         if any(not p for p in prompts):
             return
-        if mode == "lookup":  # assisted generation serves one row: the first prompt, unpadded
+        if mode == "lookup":  # assisted generation serves one row: the first prompt, padded as drawn
             prompts = prompts[:1]
-            ids, mask = torch.tensor(prompts, dtype=torch.long), torch.ones(1, len(prompts[0]), dtype=torch.long)
+            ids, mask = ids[:1], mask[:1]
+            side = "right" if not bool(mask[0, -1]) else "left" if not bool(mask[0, 0]) else "unpadded"
+            self._surface(f"assisted:lookup_{side}{'_static' if static and use_cache else ''}")
         nrs = num_return_sequences if mode in ("sample", "beam") else 1
         gkw: dict[str, Any] = dict(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
