@@ -55,14 +55,6 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "checked under torch.compile); nemotron_h 2.1e-3 off the reading safepad documents",
     ),
     KnownDefect(
-        "37-b",
-        lambda f, r, c: r == "audit" and bool(c.get("defect")) and c.get("dtype") in (torch.bfloat16, torch.float16),
-        "the audit's verdict in half precision: a wrapped model with a recurrent parameter + 0.1 (dt_bias) PASSes "
-        "right_pad_decode in bfloat16 (nemotron_h 0.071, mamba2 0.19 max |Δ logits| against the float32 reference, "
-        "under default_tol(bfloat16) = 0.15 relative; the same-dtype check compares the perturbed model with "
-        "itself): the half-precision audit tolerance another engineer is reworking (issue 37); float32 FAILs it",
-    ),
-    KnownDefect(
         "37-c",
         lambda f, r, c: r == "generate" and c.get("mode") == "lookup" and f in ("zaya", "qwen4_exp", "qwen4_exp_text"),
         "assisted (prompt-lookup) generate that the stock model serves is refused by the wrapped one with a clear "
