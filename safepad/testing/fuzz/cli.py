@@ -35,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shrink-minutes", type=float, default=float(os.environ.get("FUZZ_SHRINK_MINUTES", "10")),
                    help="shrink a failure only while at least this much of the run is left; otherwise report it "
                         "as drawn")
+    p.add_argument("--serving", action="store_true", help="fuzz continuous batching instead (fuzz/serving.py)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.serving:
+        from .serving import main_serving
+
+        return main_serving(args.minutes, [f for f in args.families.split(",") if f], args.examples)
     handler = logging.StreamHandler(sys.stdout)  # a failure as drawn, the moment it happens (session.py logs it)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     fuzz_log = logging.getLogger(__package__)
