@@ -136,19 +136,26 @@ def run_plan(plan: ServingPlan) -> dict[str, int]:
     finals: dict = {}
 
     def add_due() -> None:
-        for r in list(pending):  # in order; one whose turn has not come is added anyway when nothing else runs
-            if r.arrive_after <= len(finals) or not added - cancelled - set(finals):
-                manager.add_request(r.prompt, request_id=r.rid, max_new_tokens=r.max_new)
-                added.add(r.rid)
-                pending.remove(r)
-                if r.cancel_after == -1:
+        """Add the requests whose turn has come (in order; the next one anyway when nothing else is running) and
+        cancel those due, until nothing changes."""
+        changed = True
+        while changed:
+            changed = False
+            for r in list(pending):
+                if r.arrive_after <= len(finals) or not added - cancelled - set(finals):
+                    manager.add_request(r.prompt, request_id=r.rid, max_new_tokens=r.max_new)
+                    added.add(r.rid)
+                    pending.remove(r)
+                    changed = True
+                    if r.cancel_after == -1:
+                        manager.cancel_request(r.rid)
+                        cancelled.add(r.rid)
+            for r in plan.requests:
+                due = r.cancel_after is not None and 0 <= r.cancel_after <= len(finals)
+                if due and r.rid in added and r.rid not in cancelled and r.rid not in finals:
                     manager.cancel_request(r.rid)
                     cancelled.add(r.rid)
-        for r in plan.requests:
-            due = r.cancel_after is not None and 0 <= r.cancel_after <= len(finals)
-            if due and r.rid in added and r.rid not in cancelled and r.rid not in finals:
-                manager.cancel_request(r.rid)
-                cancelled.add(r.rid)
+                    changed = True
 
     manager.start()
     processor, ok = None, False
@@ -211,6 +218,7 @@ def fuzz_serving(families: tuple[str, ...] | list[str] = SERVING_FAMILIES, sessi
                 if deadline is not None and time.monotonic() >= deadline:
                     return totals
                 counts = run_plan(draw_plan(family, seed * 1000 + i))
+                logger.debug("serving fuzz %s seed %d: %s", family, seed * 1000 + i, counts)
                 t = totals.setdefault(family, {"sessions": 0, "finished": 0, "cancelled": 0, "tokens": 0})
                 t["sessions"] += 1
                 for k, v in counts.items():
