@@ -74,3 +74,19 @@ def test_cli_entry_runs_and_reports(capsys):
     assert main_serving(0.01, ["lfm2"], sessions=1) == 0
     out = capsys.readouterr().out
     assert "== safepad serving fuzz" in out and "lfm2: sessions" in out
+
+
+def test_a_slot_kept_after_its_request_ends_is_caught(monkeypatch):
+    """With the slot release removed from ``SafepadPagedCache.free_blocks`` (the defect injected here), the slots of
+    finished requests stay held after ``stop``: the fuzzer reports it."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    from safepad.serving.paged_cache import SafepadPagedCache
+
+    plan = ServingPlan("lfm2", 0, False, slots=3, max_batch_tokens=8, page_size=8, num_blocks=8, requests=[
+        ServingRequest("r0", [11, 42, 7], 3), ServingRequest("r1", [5, 17], 2)])  # fmt: skip
+    assert run_plan(plan)["finished"] == 2
+    monkeypatch.setattr(SafepadPagedCache, "free_blocks",
+                        lambda self, rid, no_cache=False: PagedAttentionCache.free_blocks(self, rid, no_cache))  # fmt: skip
+    with pytest.raises(FuzzFailure, match="recurrent-state slots are still held"):
+        run_plan(plan)
