@@ -21,6 +21,8 @@ have finished).
 A failure raises :class:`~safepad.testing.fuzz.core.FuzzFailure` whose message holds the plan as a Python repro
 (``run_plan(ServingPlan(...))``). :func:`fuzz_serving` draws and runs ``sessions`` plans per family from one seed;
 ``python -m safepad.testing.fuzz --serving`` runs it time-bounded.
+
+Skipped, and counted (``skipped_known_hang``), never hidden: :func:`known_hang`, a transformers scheduler hang.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ from .core import FuzzFailure
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SERVING_FAMILIES", "ServingPlan", "ServingRequest", "draw_plan", "fuzz_serving", "main_serving", "run_plan"]
+__all__ = [
+    "SERVING_FAMILIES",
+    "ServingPlan",
+    "ServingRequest",
+    "draw_plan",
+    "fuzz_serving",
+    "known_hang",
+    "main_serving",
+    "run_plan",
+]
 
 #: one family per recurrent kind served (short conv, Mamba2, gated delta rule, Mamba1), plus sliding attention
 SERVING_FAMILIES = ("lfm2", "nemotron_h", "qwen3_next", "jamba", "lfm3")
@@ -47,6 +58,18 @@ SERVING_FAMILIES = ("lfm2", "nemotron_h", "qwen3_next", "jamba", "lfm3")
 HANG_S = 60.0
 #: seconds ``manager.stop(block=True)`` may take
 STOP_S = 30.0
+
+
+def known_hang(plan: "ServingPlan") -> str | None:
+    """Why ``plan`` is skipped, or None. transformers 5.25's scheduler can leave waiting requests unscheduled for
+    good when a request is cancelled during generation while the paged cache cannot hold every request at once:
+    about one run in two of ``draw_plan("lfm2", 1)`` hangs with r2 / r3 never finishing, and so does the same plan on
+    a stock attention-only Llama without safepad (a transformers defect, not safepad's; not yet reduced further)."""
+    need = sum(-(-(len(r.prompt) + r.max_new) // plan.page_size) for r in plan.requests)
+    cancels_running = any(r.cancel_after is not None and r.cancel_after >= 0 for r in plan.requests)
+    if cancels_running and plan.num_blocks < need:
+        return "a cancellation during generation under block pressure (transformers' scheduler may hang)"
+    return None
 
 
 @dataclass
@@ -207,7 +230,7 @@ def fuzz_serving(families: tuple[str, ...] | list[str] = SERVING_FAMILIES, sessi
                  deadline: float | None = None) -> dict[str, dict[str, int]]:  # fmt: skip
     """Draw and run ``sessions`` plans per family (plan seeds ``seed * 1000 + i``), until ``deadline``
     (``time.monotonic()``) if given; returns per-family totals (``sessions``, ``finished``, ``cancelled``,
-    ``tokens``). The first failure raises :class:`FuzzFailure` (a repro)."""
+    ``tokens``, ``skipped_known_hang``: draws :func:`known_hang` skips). The first failure raises :class:`FuzzFailure` (a repro)."""
     totals: dict[str, dict[str, int]] = {}
     cb_log = logging.getLogger("ContinuousBatchingLogger")
     level = cb_log.level
@@ -217,9 +240,14 @@ def fuzz_serving(families: tuple[str, ...] | list[str] = SERVING_FAMILIES, sessi
             for family in families:
                 if deadline is not None and time.monotonic() >= deadline:
                     return totals
-                counts = run_plan(draw_plan(family, seed * 1000 + i))
+                plan = draw_plan(family, seed * 1000 + i)
+                t = totals.setdefault(family, {"sessions": 0, "finished": 0, "cancelled": 0, "tokens": 0,
+                                               "skipped_known_hang": 0})  # fmt: skip
+                if known_hang(plan) is not None:
+                    t["skipped_known_hang"] += 1
+                    continue
+                counts = run_plan(plan)
                 logger.debug("serving fuzz %s seed %d: %s", family, seed * 1000 + i, counts)
-                t = totals.setdefault(family, {"sessions": 0, "finished": 0, "cancelled": 0, "tokens": 0})
                 t["sessions"] += 1
                 for k, v in counts.items():
                     t[k] += v
