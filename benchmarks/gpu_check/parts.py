@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import audit, fsdp2, generate, graphs, routes, speed
+from . import audit, fsdp2, generate, graphs, routes, serving, speed
 from .common import Row
 
 
@@ -133,6 +133,11 @@ PARTS: list[Part] = [
          requires=_kernel("selective_scan_fn")),
     Part("fsdp2_accelerate", 110, "cuda", "FSDP2 through accelerate: per-step losses == one process", fsdp2.run,
          ("max_rel_loss_diff",)),
+    Part("serving", 90, "any",
+         "continuous batching (manager) of a wrapped Nemotron-H vs generate over left-padded batches, same "
+         "lognormal load: requests/s, tokens/s (benchmarks/bench_serving.py)",
+         serving.run, ("continuous_requests_per_s", "continuous_tokens_per_s", "padded_requests_per_s",
+                       "padded_tokens_per_s", "continuous_vs_padded", "same_tokens_fraction"), cpu_budget_s=120),
 ]  # fmt: skip
 
 

@@ -71,7 +71,8 @@ def test_every_issue_figure_has_a_part():
     for f in ("ratio", "packed_wrapped_tokens_per_s", "padded_stock_tokens_per_s", "syncs_per_step",
               "graph_tokens_per_s", "eager_tokens_per_s", "packed_wrapped_peak_mem_gib", "packed_us_per_token",
               "kernels_us_per_token", "models", "routes", "scenarios", "wrapped_right_graph_tokens_per_s",
-              "stock_left_graph_tokens_per_s"):  # fmt: skip
+              "stock_left_graph_tokens_per_s", "continuous_tokens_per_s", "padded_tokens_per_s",
+              "continuous_vs_padded"):  # fmt: skip
         assert f in figures, f
 
 
@@ -155,7 +156,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     assert report["mode"] == "cpu" and report["ok"] is True and report["complete"] is True
     status = {p["name"]: p["status"] for p in report["parts"]}
     for name in ("audit", "routes", "generate", "decode_cuda_graph", "gdn_time_per_token", "train_tokens_per_s",
-                 "generate_cuda_graph"):
+                 "generate_cuda_graph", "serving"):
         assert status[name] == "ok", (name, report)
     for name in ("syncs_per_step", "mixer_vs_mamba_ssm", "mamba1_time_per_token", "fsdp2_accelerate"):
         assert status[name] == "skipped"
@@ -165,6 +166,9 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     graphs = by["generate_cuda_graph"]
     assert len(graphs["rows"]) == 4 and all(r["ok"] for r in graphs["rows"])
     assert graphs["figures"]["wrapped_right_vs_left_token_agreement"] == 1.0
+    serving = by["serving"]["figures"]
+    assert serving["requests"] == 8 and serving["continuous_tokens_per_s"] > 0 and serving["padded_tokens_per_s"] > 0
+    assert serving["same_tokens_fraction"] == 1.0  # float32 on the CPU: each request's greedy tokens on both sides
 
 
 def test_unknown_part_is_an_error_naming_the_known_ones(capsys):

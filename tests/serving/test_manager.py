@@ -26,6 +26,7 @@ from transformers.generation.continuous_batching import cache as cb_cache
 
 import safepad
 from safepad.serving import SafepadContinuousBatching, SafepadContinuousBatchingManager, SafepadPagedCache
+from safepad.testing.serving_reference import greedy_mismatch
 from safepad.testing.tiny import tiny_model
 
 from ..wrap.helpers import family_param
@@ -96,25 +97,14 @@ def _reference_logits(stock, prompt: list[int], tokens: list[int]) -> list[torch
     return out
 
 
-@torch.no_grad()
 def _check_greedy(stock, prompt: list[int], result, max_new: int) -> None:
-    """``result`` (a GenerationOutput) against the stock greedy continuation of ``prompt`` alone."""
+    """``result`` (a GenerationOutput) against the stock greedy continuation of ``prompt`` alone
+    (:func:`safepad.testing.serving_reference.greedy_mismatch`)."""
     assert result.error is None, result.error
     got = list(result.generated_tokens)
     assert len(got) == max_new, (len(got), max_new)
-    ids = list(prompt)
-    for k, token in enumerate(got):
-        logits = stock(torch.tensor([ids]), use_cache=False).logits[0, -1].double()
-        ref = int(logits.argmax())
-        logp = logits.log_softmax(-1)
-        if token != ref:
-            top2 = logits.topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap <= TOL * max(1.0, float(logits.abs().max())), f"step {k}: token {token} != {ref} (gap {gap})"
-            return  # a near-tie: the continuations diverge from here
-        ref_lp = float(logp[ref])
-        assert abs(result.logprobs[k] - ref_lp) <= TOL * max(1.0, abs(ref_lp)), (k, result.logprobs[k], ref_lp)
-        ids.append(token)
+    problem = greedy_mismatch(stock, prompt, got, list(result.logprobs), tol=TOL)
+    assert problem is None, problem
 
 
 #: multi-head latent attention (kv_lora_rank): transformers' paged cache holds it from 5.25 on

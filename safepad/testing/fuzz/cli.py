@@ -37,9 +37,14 @@ def main(argv: list[str] | None = None) -> int:
                         "as drawn")
     p.add_argument("--dtype", default=os.environ.get("FUZZ_DTYPE", "float32"), choices=("float32", "bfloat16"),
                    help="the models' dtype (bfloat16: the tolerance of safepad.testing.scenarios.default_tol)")
+    p.add_argument("--serving", action="store_true", help="fuzz continuous batching instead (fuzz/serving.py)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
+    if args.serving:
+        from .serving import main_serving
+
+        return main_serving(args.minutes, [f for f in args.families.split(",") if f], args.examples)
     handler = logging.StreamHandler(sys.stdout)  # a failure as drawn, the moment it happens (session.py logs it)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
     fuzz_log = logging.getLogger(__package__)
