@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .._tracing import tracing
 from ..cache import read_states, write_states
-from ..context import context_padding_mask
+from ..context import context_padding_mask, current_context
 from ..ops.conv import causal_conv1d, causal_conv1d_step
 from ..ops.rg_lru import rg_lru, rg_lru_step
 from .common import hold_masked_rows, pop_cache, prepare_layout
@@ -74,23 +74,32 @@ def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask:
     raise naming the fix instead of starting a new sequence."""
     if tracing() or not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.numel() == 0:
         return
-    pos = position_ids
-    if isinstance(mask, Tensor) and tuple(mask.shape) == tuple(pos.shape):
-        pos = pos.masked_fill(~mask.to(torch.bool), torch.iinfo(pos.dtype).max)  # pads do not count
-    first = pos.amin(dim=1)  # [B]: each row's first real position
-    first = first[first < torch.iinfo(pos.dtype).max]  # rows with a real token
-    if first.numel() and bool((first > 0).any()):
+    # one host read per call, not per block: the verdict is kept in the call's memo (each block asks the same)
+    ctx = current_context()
+    key = ("rg_lru_continues", id(position_ids), id(mask) if isinstance(mask, Tensor) else None)
+    if ctx is not None and key in ctx.layouts:
+        continues = ctx.layouts[key]
+    else:
+        pos = position_ids
+        if isinstance(mask, Tensor) and tuple(mask.shape) == tuple(pos.shape):
+            pos = pos.masked_fill(~mask.to(torch.bool), torch.iinfo(pos.dtype).max)  # pads do not count
+        first = pos.amin(dim=1)  # [B]: each row's first real position
+        first = first[first < torch.iinfo(pos.dtype).max]  # rows with a real token
+        continues = int(first.max()) if first.numel() and bool((first > 0).any()) else None
+        if ctx is not None:
+            ctx.layouts[key] = continues
+    if continues is not None:
         if not cached:
             raise ValueError(
                 f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
-                f"{int(first.max())}), but this call has no cache, so the earlier tokens' recurrent states are gone "
+                f"{continues}), but this call has no cache, so the earlier tokens' recurrent states are gone "
                 "(stock RecurrentGemma would run the row from a zero state without its sequence-start reset). Pass "
                 "the whole sequence, continue it through the cache of its earlier tokens (DynamicCache(config="
                 "model.config), handed to every call), or give position_ids that start at 0."
             )
         raise ValueError(
             f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
-            f"{int(first.max())}), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
+            f"{continues}), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
             "returns no cache and starts a new one on every call that is handed none, so the earlier tokens' states "
             "are gone. Build cache = DynamicCache(config=model.config) and pass it (cache= in transformers 5.24, "
             "past_key_values= in 5.23) to the prefill and to every later call, or use generate(); to start a new "
