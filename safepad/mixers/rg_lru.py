@@ -67,8 +67,8 @@ def _check_cache_layer(cache, idx: int) -> None:
 
 def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask: Tensor | None,
                                         cached: bool = True) -> None:
-    """A call whose ``position_ids`` ``[B, T]`` continue a sequence (a row's first real token past 0) with no state
-    for this block: a cache that holds none (``cached``; the stock forward returns no cache and builds a new one on
+    """A call whose ``position_ids`` ``[B, T]`` do not start a sequence (a row's first real token past 0, or before
+    it) with no state for this block: a cache that holds none (``cached``; the stock forward returns no cache and builds a new one on
     every call without one) or no cache at all (``use_cache=False``: stock runs such a row from a zero state
     without its sequence-start reset, safepad from a reset; neither is the sequence). The tokens before are gone:
     raise naming the fix instead of starting a new sequence."""
@@ -85,21 +85,24 @@ def _refuse_continuation_without_states(self, position_ids: Tensor | None, mask:
             pos = pos.masked_fill(~mask.to(torch.bool), torch.iinfo(pos.dtype).max)  # pads do not count
         first = pos.amin(dim=1)  # [B]: each row's first real position
         first = first[first < torch.iinfo(pos.dtype).max]  # rows with a real token
-        continues = int(first.max()) if first.numel() and bool((first > 0).any()) else None
+        # a first real position past 0 continues a sequence; one before 0 (position_ids [-1, 0, ...]) is no sequence
+        # start either: stock resets exactly where position_ids == 0, so neither reading is the row alone
+        off = first[first != 0]
+        continues = int(off[0]) if off.numel() else None
         if ctx is not None:
             ctx.layouts[key] = continues
     if continues is not None:
         if not cached:
             raise ValueError(
-                f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
-                f"{continues}), but this call has no cache, so the earlier tokens' recurrent states are gone "
+                f"{type(self).__name__}: position_ids do not start a sequence (a row's first real token is at position "
+                f"{continues}, not 0), but this call has no cache, so the earlier tokens' recurrent states are gone "
                 "(stock RecurrentGemma would run the row from a zero state without its sequence-start reset). Pass "
                 "the whole sequence, continue it through the cache of its earlier tokens (DynamicCache(config="
                 "model.config), handed to every call), or give position_ids that start at 0."
             )
         raise ValueError(
-            f"{type(self).__name__}: position_ids continue a sequence (a row's first real token is at position "
-            f"{continues}), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
+            f"{type(self).__name__}: position_ids do not start a sequence (a row's first real token is at position "
+            f"{continues}, not 0), but the cache of this call holds no recurrent state: RecurrentGemma's forward "
             "returns no cache and starts a new one on every call that is handed none, so the earlier tokens' states "
             "are gone. Build cache = DynamicCache(config=model.config) and pass it (cache= in transformers 5.24, "
             "past_key_values= in 5.23) to the prefill and to every later call, or use generate(); to start a new "

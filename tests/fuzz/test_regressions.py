@@ -425,6 +425,19 @@ def test_uncached_positions_continuing_a_sequence(family: str) -> None:
     s.sizes("len0", rows=2, cached=True)
 
 
+# issue 37 (make fuzz, 60 minutes): position_ids starting at -1 on RecurrentGemma, uncached: stock resets its
+# recurrence exactly where position_ids == 0, so the row alone at those positions is 0.79 off the wrapped model,
+# which started a sequence there; safepad now raises as for a start past 0 (recurrent_gemma_w4, found by the fuzzer)
+@pytest.mark.parametrize("family", [_param("recurrent_gemma", id="recurrent_gemma"),
+                                    _param("recurrent_gemma_w4", id="recurrent_gemma_w4")])
+def test_uncached_positions_starting_before_zero(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    s.packed(seqs=[[3]], via="position_ids", labels=False, backward=False)
+    s.forms(batch=[[3]], mask_form="int", positions="negative", offset=1, cached=False)
+    s.forms([[5, 9, 7, 12], [8, 3, 6, 6]], mask_form="int", positions="negative")
+    assert s.stats.refused >= 2
+
+
 # issue 37: the same 4-D mask under torch.compile(model): nemotron_h 0.44 off row 2 (a hole hidden by the mask)
 # before the traced device check (docs/limits.md, check D10)
 @pytest.mark.parametrize("family", [_param("nemotron_h", id="nemotron_h")])
