@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 
 import safepad
 from safepad.testing import tiny_model
@@ -102,11 +103,18 @@ GENERATE_OVER_TARGET: dict[tuple[str, str, str], float] = {
 SLACK = 0.02
 
 
+#: the ratios and ceilings are measured against transformers 5.25's stock steps; older releases' stock dispatches
+#: fewer ops of its own (Nemotron-H fp32 after right pads: 250 on 5.23, 260 on 5.25, wrapped 310 / 312), which moves
+#: every ratio without a change on safepad's side: the tier of the newest release checks them
+_STOCK_OPS_AS_MEASURED = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 25)
+
+
 def _cases():
     for kind, family in KINDS.items():
         for dtype in ("float32", "bfloat16"):
             for side in ("right", "left"):
-                marks = []
+                marks = [] if _STOCK_OPS_AS_MEASURED else [
+                    pytest.mark.skip(reason="ratios measured against transformers 5.25's stock op counts")]
                 if family == "inkling_text" and dtype == "bfloat16":
                     marks.append(pytest.mark.skip(reason="bf16 Inkling's wrapped decode step raises in sdpa (noted)"))
                 yield pytest.param(family, dtype, side, id=f"{kind}-{dtype}-{side}", marks=marks)
