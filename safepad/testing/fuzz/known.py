@@ -63,6 +63,14 @@ KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
         "4-D forms (-inf, finfo.min) are exact",
     ),
     KnownDefect(
+        "stock-mrope-rg",
+        lambda f, r, c: r == "forms" and f.startswith("recurrent_gemma") and str(c.get("positions", "")).startswith(
+            "mrope") and c.get("compiled", "eager") != "eager",
+        "transformers' own: RecurrentGemma has no multimodal RoPE, and stacked [3|4, B, T] position_ids broadcast "
+        "against its rotary tables; compiled, the stock forward raises the same broadcast error (dynamo's fake-tensor "
+        "run) that the wrapped one does (eager, the default window of 64 raises in stock too)",
+    ),
+    KnownDefect(
         "37-c",
         lambda f, r, c: r == "generate" and c.get("mode") == "lookup" and f in ("zaya", "qwen4_exp", "qwen4_exp_text"),
         "assisted (prompt-lookup) generate that the stock model serves is refused by the wrapped one with a clear "
