@@ -90,6 +90,18 @@ class _EntryRules:
 
     # ---- masks and positions ------------------------------------------------------------------------------
 
+    def _start_stream_cache(self, kwargs: dict[str, Any]) -> None:
+        """A cached call that starts the live stream: drop the old one and hand the call a fresh cache (a
+        ``DynamicCache`` where the model's own output carries none)."""
+        self.stream = None
+        fresh = self.io.fresh_cache()
+        if fresh is None and self.io.cache_kw is not None and not _output_carries_cache(self.stock):
+            from transformers import DynamicCache
+
+            fresh = DynamicCache(config=self.model.config)
+        if fresh is not None:
+            kwargs[self.io.cache_kw] = fresh
+
     def forms(self, batch: Batch, mask_form: str = "int", positions: str = "arange", offset: int = 0,
               cached: bool = False, blank: bool = False) -> None:
         """A forward of a padded batch with its attention mask in ``mask_form`` (:data:`forms.MASK_FORMS`) and
@@ -118,14 +130,7 @@ class _EntryRules:
         if pos is not None:
             kwargs["position_ids"] = stacked(pos, positions)
         if cached:
-            self.stream = None
-            fresh = self.io.fresh_cache()
-            if fresh is None and self.io.cache_kw is not None and not _output_carries_cache(self.stock):
-                from transformers import DynamicCache
-
-                fresh = DynamicCache(config=self.model.config)
-            if fresh is not None:
-                kwargs[self.io.cache_kw] = fresh
+            self._start_stream_cache(kwargs)
         ok, out = self._run("forms", lambda: self._call(kwargs), lambda: self._stock_call(kwargs))
         if not ok:
             return
@@ -236,14 +241,7 @@ class _EntryRules:
             ids, mask, _ = _layout(batch)
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "use_cache": cached}
         if cached:
-            self.stream = None
-            fresh = self.io.fresh_cache()
-            if fresh is None and self.io.cache_kw is not None and not _output_carries_cache(self.stock):
-                from transformers import DynamicCache
-
-                fresh = DynamicCache(config=self.model.config)
-            if fresh is not None:
-                kwargs[self.io.cache_kw] = fresh
+            self._start_stream_cache(kwargs)
         ok, out = self._run("sizes", lambda: self._call(kwargs), lambda: self._stock_as_compiled(kwargs))
         if not ok:
             return
