@@ -187,7 +187,7 @@ def packing_positions(position_ids: Tensor | None, shape: tuple[int, int] | None
     if shape is None:
         return pos
     B, T = shape
-    if pos.shape[-1] != T or pos.shape[0] not in (1, B):
+    if pos.shape[-1] != T or not size_in(pos.shape[0], (1, B)):  # (`in` misreads a symbolic B: size_in)
         return None
     return pos.expand(B, T)
 

@@ -347,6 +347,28 @@ def test_compiled_prefill_after_a_packed_call_of_another_batch_size(family: str)
         s.close()
 
 
+# torch.compile(model): calls without position_ids, then packed rows given by restarting position_ids of
+# another batch size (make fuzz FUZZ_MINUTES=60, stop 42; jamba). dynamo made input_ids' sizes dynamic at the second
+# call while position_ids, seen for the first time, kept static ones, and `3 not in (1, s0)` read True in the traced
+# pre-hook (packing_positions): the positions were read as no packing and the packed sequences leaked into each
+# other (jamba 0.87, nemotron_h 0.70, qwen3_next 0.66, lfm2 0.36 off each sequence alone), silently.
+@pytest.mark.parametrize(
+    "family", [_param("jamba", id="jamba"), _param("nemotron_h", id="nemotron_h"), _param("lfm2", id="lfm2")]
+)
+def test_compiled_packed_positions_after_a_call_of_another_shape(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    try:
+        s.compile(mode="model", backend="eager")
+        s.prefill([[230, 235, 107, 138, 172, 229, 207, 141, 83, 241, 111, 252]], position_ids=False, reset=True)
+        # refused (a 4-D mask hiding pads); its frames were compiled with input_ids of other sizes
+        s.forms([[109, 32, None, 59, 82, 229, 100, 241, 125], [145, 167, 3, 47, 171, 230, 255, None, None],
+                 [71, 150, 72, 127, 55, 207, 122, 104, 150]], mask_form="4d_min", positions="offset", offset=3,
+                cached=False)
+        s.restarts(rows=[[[40, 35, 14]], [[250, 44, 55]], [[228, 98], [126]]])
+    finally:
+        s.close()
+
+
 # new-3 (a known defect the fuzzer skips, transformers' own): greedy generate with a static cache on Inkling in
 # float32 is 1.8e-3 off the rows alone from the 4th new token (make fuzz, stop 34, on a right-padded batch). The stock
 # model on an unpadded prompt of one row gives the same number, and the wrapped model on the padded batch is exact in
