@@ -25,7 +25,7 @@ from torch import nn
 
 from .._config import text_config_value
 from .._state import hooked, module_state, state_of
-from .._tracing import device_check, kwarg, require, tracing
+from .._tracing import device_check, kwarg, require, size_in, tracing
 from ..cache import (
     CACHE_NAMES,
     CachePreHook,
@@ -33,15 +33,13 @@ from ..cache import (
     cache_from_kwargs,
     cache_post_hook,
     expect_count,
-    forget_read,
     needs_token_count,
     output_cache,
     settle_count,
 )
 from ..context import CallContext, current_context, enter_call, exit_call
 from ..layout.boundaries import mark_valid_seq_idx, packing_positions
-from ..layout.masks import check_mask_values, has_holes, pads_before_real
-from ..layout.masks_4d import check_four_d_mask
+from ..layout.masks import has_holes, pads_before_real
 from ..layout.normalize import (
     multi_sequence,
     normalize_boundaries,
@@ -52,17 +50,11 @@ from ..serving.manager import SafepadContinuousBatching
 from ..serving.paged_cache import SafepadPagedCache
 from .attention import sync_upcast_sdpa, upcast_needed
 from .attention_masks import packed_mask_mapping
-from .cache_rows import check_cache_rows, cover_row_ops
+from .cache_rows import cover_row_ops
 from .checkpoint import hook_checkpoint_functions
+from .entry import name_arguments, read_call, two_d_mask
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
-from .generate import (
-    SafepadCompiledCall,
-    SafepadGenerate,
-    SafepadPrepareInputs,
-    generated_step,
-    mask_checked_by_generate,
-)
-from .mask_history import check_mask_history, forget_mask_history
+from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
 from .slot_calls import slot_justify
 from .slot_record import _arange_positions, _cache_wanted, _mask_positions, _mrope, _past_length, slot_restore
@@ -172,6 +164,8 @@ class _ModelPreHook:
         plan = self.plan
         params = plan.params
         module._safepad.slot_calls.append(None)
+        # model(ids, mask) reads as model(input_ids=ids, attention_mask=mask) from here on (safepad.wrap.entry)
+        args, kwargs = name_arguments(plan.positional, args, kwargs)
         ids = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params)
         real = kwargs.pop(REAL_TOKEN_MASK) if kwarg(kwargs, REAL_TOKEN_MASK) is not None else None
         outer = current_context()
@@ -211,30 +205,17 @@ class _ModelPreHook:
         if ids is None or ids.dim() < 2:
             module._safepad.tokens.append(None)
             return None
-        traced = tracing()
-        cache = cache_from_kwargs(kwargs)[1]
-        cover_row_ops(cache)  # its row operations move every state (cache_rows)
-        B, T = ids.shape[0], ids.shape[1]
-        check_cache_rows(cache, B)  # a cache of another batch size: name it (eager and traced alike)
-        if traced or not mask_checked_by_generate(module):
-            # eager: on the host (a clear ValueError), but on the device for a one-token step (no host sync per
-            # decode step; on CUDA a failure loses the context). Inside the model's wrapped generate, which checked
-            # the caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones
-            check_mask_values(_two_d_mask(kwargs.get("attention_mask")), on_device=T == 1)
-            # a 4-D mask hiding pads / boundaries reaches attention only: refused (one host read; traced: on the device)
-            check_four_d_mask(kwargs.get("attention_mask"), type(module).__name__)
+        facts = read_call(module, kwargs, ids)  # every check of the call's arguments, once (safepad.wrap.entry)
+        traced, cache, generated = facts.traced, facts.cache, facts.generated
+        B, T = facts.shape
         token_mask = None
-        # generate's own next token (a host-side fact, eager only): every row's token is real, no mask reaches the
-        # mixers
-        generated = not traced and generated_step(module, T, _two_d_mask(kwargs.get("attention_mask")))
         if traced:
             # a call with the full-length mask re-lays a cache an eager call re-laid on the device, as eager calls do
             # ([B, T] token mask, a chunk reordered pads first); any other call on such a cache raises
             # (traced_slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
-            forget_read(cache)  # a forward outside generate: generate's record of it is stale
-            past = _follow_mask_history(module, plan, args, kwargs, T)  # (the cache's length, read once per call)
+            past = facts.past  # (the cache's length, read once per call)
             if past is None and cache is not None:  # inside generate: read here (once), for slot_justify and counts
                 try:
                     past = _past_length(cache)
@@ -249,7 +230,7 @@ class _ModelPreHook:
             token_mask = record.call.token_mask if record is not None and record.call is not None else None
             if generated:
                 token_mask = None  # [B, 1] all real
-        mask = _two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
+        mask = two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         # eager only: an all-ones mask carries no padding (one host read); a one-token step keeps its 2-D mask unread
         # (no host sync; rows marked real are unaffected), as a traced call keeps every 2-D mask
@@ -296,7 +277,7 @@ class _ModelPreHook:
         if not traced and plan.hybrid and T > 1:  # (one token: no pair of positions to read segments from)
             _check_attention_segments(module, kwargs, seq_idx, mask[:, -T:] if padding else None, (B, T))
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
-            _traced_cache_positions(module, plan, args, kwargs, T, _two_d_mask(kwargs.get("attention_mask")), ids)
+            _traced_cache_positions(module, plan, args, kwargs, T, two_d_mask(kwargs.get("attention_mask")), ids)
         # [B, 1]: a pad step token (unknown on the host outside generate: the mixers hold such rows' states)
         decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d and not generated else None
         padding_mask = mask if padding and seq_idx is None and not generated else None
@@ -333,7 +314,7 @@ class _ModelPreHook:
                     "mask cannot read the boundaries from them. Pass position_ids of shape [batch, seqlen] that "
                     "restart at 0 per sequence (or seq_idx / cu_seq_lens_q without position_ids)."
                 )
-            if rope.shape[0] not in rows:
+            if not size_in(rope.shape[0], rows):
                 # RoPE rows without a text row ([3, B, T], or [1, B, T] where it is not read as text): these models
                 # build their attention mask from a [4, B, T]'s row 0 only, so give them one restarting per sequence
                 text = position_ids_from_seq_idx(seq_idx).to(device=rope.device, dtype=rope.dtype)  # [B, T]
@@ -461,7 +442,7 @@ def _check_attention_segments(module: nn.Module, kwargs: dict, seq_idx, real, sh
     if kwargs.get("attention_mask") is not None or not isinstance(pos, torch.Tensor) or pos.dim() != 2:
         return
     B, T = shape
-    if T < 2 or pos.shape[1] != T or pos.shape[0] not in (1, B):
+    if T < 2 or pos.shape[1] != T or not size_in(pos.shape[0], (1, B)):
         return
     cache = cache_from_kwargs(kwargs)[1]
     if cache is not None or _cache_wanted(module, cache, kwargs.get("use_cache"))[1]:
@@ -490,38 +471,6 @@ def _check_attention_segments(module: nn.Module, kwargs: dict, seq_idx, real, sh
         "reading. Give each sequence positions 0, 1, 2, ... (restarting at 0 at each new sequence), or pass "
         "seq_idx / cu_seq_lens_q with such position_ids (or none; safepad derives them)."
     )
-
-
-def _follow_mask_history(module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, T: int) -> int | None:
-    """An eager cached call's 2-D mask must keep the columns its cache has read (:mod:`safepad.wrap.mask_history`):
-    checked on the host for a chunk, on the device for a one-token step outside ``generate``; inside the model's
-    wrapped ``generate`` (whose masks never edit history) the record is dropped instead. Returns the tokens the
-    cache holds when it read them (``slot_justify`` reuses it: on some caches the length is a tensor, a host read),
-    else None."""
-    params = plan.params
-    named = dict(zip(params, args))
-    named.update(kwargs)
-    cache = next((c for n in CACHE_NAMES if (c := named.get(n)) is not None), None)
-    if cache is None or named.get("use_cache") is False:
-        return None
-    if mask_checked_by_generate(module):
-        forget_mask_history(cache)
-        return None
-    try:
-        past = _past_length(cache)
-    except ValueError:  # a cache with attention layers that cannot tell its length: the model's forward raises
-        return None
-    mask = _two_d_mask(named.get("attention_mask"))
-    check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1)
-    return past
-
-
-def _two_d_mask(mask):
-    """The 2-D ``[B, T]`` padding mask of a call's ``attention_mask``: generate() with a compileable cache (e.g. one
-    without attention layers) hands in per-layer-type masks, whose recurrent layers' entry is the 2-D one."""
-    if isinstance(mask, dict):
-        return next((m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 2), None)
-    return mask
 
 
 def _trailing_pads_as_segment(seq_idx: torch.Tensor, mask: torch.Tensor, source: str) -> torch.Tensor:

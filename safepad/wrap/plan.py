@@ -15,7 +15,7 @@ from torch import nn
 from .._config import text_config_value
 from .attention import attention_configs
 
-__all__ = ["ModelPlan", "counts_slots", "plan_for"]
+__all__ = ["ModelPlan", "counts_slots", "plan_for", "positional_names"]
 
 #: mixer kinds whose attention reads cache slots (slot-relative positions, selected key slots)
 _SLOT_KINDS = frozenset({"attn_conv", "dsa_indexer", "ple"})
@@ -39,6 +39,9 @@ class ModelPlan:
 
     #: the names of the model forward's parameters, in order (positional arguments are matched to them)
     params: tuple[str, ...]
+    #: the parameters positional arguments bind to, in order (:func:`positional_names`): the pre-hook names them
+    #: (:func:`safepad.wrap.entry.name_arguments`), so that every later read sees ``model(ids, mask)`` as ``attention_mask=mask``
+    positional: tuple[str, ...]
     #: the forward takes ``position_ids``
     accepts_position_ids: bool
     #: the forward takes ``**kwargs``
@@ -74,6 +77,7 @@ def plan_for(target: nn.Module, specs: list) -> ModelPlan:
     rows = next((s.options["text_position_rows"] for s in specs if "text_position_rows" in s.options), None)
     return ModelPlan(
         params=tuple(params),
+        positional=positional_names(target.forward),
         accepts_position_ids="position_ids" in params,
         var_kwargs=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()),
         hybrid=any(s.hybrid for s in specs),
@@ -96,3 +100,14 @@ def counts_slots(model: nn.Module, specs) -> bool:
     windows = [text_config_value(model, a, None) for a in ("sliding_window", "attention_window_size", "sliding_window_size")]
     layer_types = text_config_value(model, "layer_types", None) or ()
     return any(w for w in windows) or any("sliding" in str(t) for t in layer_types)
+
+
+def positional_names(forward: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters of ``forward`` that positional arguments bind to, in order, up to the first that cannot be
+    named (``*args``, a positional-only parameter): ``model(ids, mask)`` -> ``("input_ids", "attention_mask")``."""
+    names = []
+    for p in inspect.signature(forward).parameters.values():
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(p.name)
+    return tuple(names)

@@ -129,10 +129,10 @@ class FuzzStats:
         )
 
     def surface_line(self) -> str:
-        """The surfaces drawn, grouped: ``masks int 3 bool 1 ... | positions ... | sizes ... | rl ... | guard ... |
-        audit ...`` (a group with no draw reads 0)."""
-        groups: dict[str, list[str]] = {g: [] for g in ("mask", "positions", "sizes", "dtype", "rl", "guard", "callbacks",
-                                                                "audit", "assisted")}
+        """The surfaces drawn, grouped: ``args keywords 5 positional 4 | masks int 3 bool 1 ... | positions ... |
+        sizes ... | rl ... | guard ... | audit ...`` (a group with no draw reads 0)."""
+        groups: dict[str, list[str]] = {g: [] for g in ("args", "mask", "positions", "sizes", "dtype", "rl", "guard",
+                                                        "callbacks", "audit", "assisted")}
         for k, v in sorted(self.surfaces.items()):
             g, _, name = k.partition(":")
             groups.setdefault(g, []).append(f"{name} {v}")

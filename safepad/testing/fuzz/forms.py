@@ -6,10 +6,13 @@ wherever a position is not the previous one plus 1)."""
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["MASK_FORMS", "POSITION_FORMS", "mask_in_form", "positions_in_form", "stacked"]
+__all__ = ["MASK_FORMS", "POSITION_FORMS", "as_positional", "mask_in_form", "positions_in_form", "stacked"]
 
 #: every attention-mask form transformers accepts: 2-D int / bool / float (0 / 1), 4-D bool, 4-D additive float
 #: with ``-inf`` or ``finfo.min`` at masked keys
@@ -66,3 +69,17 @@ def stacked(positions: Tensor, form: str) -> Tensor:
     if not form.startswith("mrope"):
         return positions
     return positions[None].expand(int(form[-1]), *positions.shape).clone()
+
+
+def as_positional(forward: Any, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``kwargs`` of a call of ``forward`` as a user may write it positionally, ``model(ids, mask, positions, cache)``:
+    the longest run of the forward's leading parameters that are given or default to None (those passed as None),
+    up to the last given one, as positional arguments; the rest stay keywords. ``(args, kwargs)``."""
+    run: list[str] = []
+    for p in inspect.signature(forward).parameters.values():
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or not (p.name in kwargs or p.default is None):
+            break
+        run.append(p.name)
+    while run and run[-1] not in kwargs:
+        run.pop()
+    return tuple(kwargs.get(n) for n in run), {k: v for k, v in kwargs.items() if k not in run}

@@ -27,6 +27,7 @@ from .core import (
     _Stream,
 )
 from .entry import _EntryRules
+from .forms import as_positional
 from .trainer import _TrainerRules
 from .known import KNOWN_DEFECTS, _output_carries_cache
 from .oracle import _Oracle
@@ -640,13 +641,20 @@ class Session(_EntryRules, _TrainerRules, _Oracle):
         return kwargs.get(self.io.cache_kw)
 
     def _call(self, kwargs: dict[str, Any], grad: bool = False) -> Any:
+        """The call on the wrapped model; every other call hands its leading arguments positionally
+        (``model(ids, mask, positions, ...)``, :func:`~safepad.testing.fuzz.forms.as_positional`), as users write it."""
+        self._calls_made = getattr(self, "_calls_made", 0) + 1
+        args: tuple = ()
+        if self._calls_made % 2 == 0:
+            args, kwargs = as_positional(self.model.forward, kwargs)
+        self._surface("args:positional" if args else "args:keywords")
         if grad:
-            out = self.runner(**kwargs)
+            out = self.runner(*args, **kwargs)
             loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
             loss.backward()
             return out
         with torch.no_grad():
-            return self.runner(**kwargs)
+            return self.runner(*args, **kwargs)
 
     def _stock_call(self, kwargs: dict[str, Any]) -> Any:
         """The same call on the stock twin (a cache argument replaced by a fresh cache of the stock model's)."""
