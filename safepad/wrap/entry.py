@@ -8,6 +8,7 @@ hook, :mod:`safepad.wrap.slot_calls`, the packed-call policy) sees ``model(ids, 
 of the call's arguments, once and in one place, and returns them as :class:`CallFacts`, which the rest of the
 call reads instead of the arguments:
 
+* (first, before any other step) a call of sequence length 0: :func:`refuse_empty_call`;
 * the cache's batch size (:func:`safepad.wrap.cache_rows.check_cache_rows`), eager and traced alike;
 * the 2-D mask's values (0 / 1; on the host, or on the device for a one-token step) and a 4-D mask's
   structure (:mod:`safepad.layout.masks`, :mod:`safepad.layout.masks_4d`), except inside the model's wrapped
@@ -36,7 +37,7 @@ from .generate import generated_step, mask_checked_by_generate
 from .mask_history import check_mask_history, forget_mask_history
 from .slot_record import _past_length
 
-__all__ = ["CallFacts", "name_arguments", "read_call", "two_d_mask"]
+__all__ = ["CallFacts", "name_arguments", "read_call", "refuse_empty_call", "two_d_mask"]
 
 
 def name_arguments(positional: tuple[str, ...], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -59,6 +60,22 @@ def two_d_mask(mask: Any) -> torch.Tensor | None:
     if isinstance(mask, dict):
         return next((m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 2), None)
     return mask
+
+
+def refuse_empty_call(module: nn.Module, ids: torch.Tensor | None) -> None:
+    """A call of sequence length 0 (``input_ids`` ``[B, 0]`` or ``inputs_embeds`` ``[B, 0, D]``) raises, naming the
+    shape and the fix. The stock model fails on such a call of every family too (an ``IndexError`` or a reshape
+    error from deep inside it), and so did the wrapped one, from whichever op met the empty sequence first. A
+    static fact: no host read, and a compiled call (whose size-0 dimensions dynamo specialises) raises the same."""
+    if ids is None or ids.dim() < 2 or ids.shape[1] != 0:
+        return
+    name = "inputs_embeds" if ids.is_floating_point() else "input_ids"
+    raise ValueError(
+        f"{type(module).__name__}: {name} of shape {list(ids.shape)} holds no token (sequence length 0), and a forward "
+        "needs at least one token per row (the stock model fails on such a call too). Skip the call when there is "
+        "nothing to run (an empty chunk, a batch of empty sequences); to keep a row without tokens in a batch, pad it "
+        "to the batch's length with attention_mask 0 on its pads; a cached sequence continues with its next token."
+    )
 
 
 @dataclass(frozen=True, eq=False)

@@ -52,7 +52,7 @@ from .attention import sync_upcast_sdpa, upcast_needed
 from .attention_masks import packed_mask_mapping
 from .cache_rows import cover_row_ops
 from .checkpoint import hook_checkpoint_functions
-from .entry import name_arguments, read_call, two_d_mask
+from .entry import name_arguments, read_call, refuse_empty_call, two_d_mask
 from .frames import boundaries_of_enclosing_call, check_enclosing_call_at_trace
 from .generate import SafepadCompiledCall, SafepadGenerate, SafepadPrepareInputs
 from .plan import ModelPlan, _pretrained_model_class, plan_for
@@ -181,7 +181,7 @@ class _ModelPreHook:
                 return args, kwargs
             module._safepad.tokens.append(None)
             return None
-        _refuse_empty_call(module, ids)
+        refuse_empty_call(module, ids)
         # "sdpa" <-> "safepad_sdpa" by this call's dtype / device (host facts; a no-op after the first call of each)
         sync_upcast_sdpa(plan.attention_configs, upcast_needed(module, ids))
         step = _serving_step(kwargs, ids)
@@ -349,22 +349,6 @@ class _ModelPreHook:
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m.to(keep.device)
         kwargs["attention_mask"] = None if keep is None else keep.to(torch.long)
-
-
-def _refuse_empty_call(module: nn.Module, ids: torch.Tensor | None) -> None:
-    """A call of sequence length 0 (``input_ids`` ``[B, 0]`` or ``inputs_embeds`` ``[B, 0, D]``) raises, naming the
-    shape and the fix. The stock model fails on such a call of every family too (an ``IndexError`` or a reshape
-    error from deep inside it), and so did the wrapped one, from whichever op met the empty sequence first. A
-    static fact: no host read, and a compiled call (whose size-0 dimensions dynamo specialises) raises the same."""
-    if ids is None or ids.dim() < 2 or ids.shape[1] != 0:
-        return
-    name = "inputs_embeds" if ids.is_floating_point() else "input_ids"
-    raise ValueError(
-        f"{type(module).__name__}: {name} of shape {list(ids.shape)} holds no token (sequence length 0), and a forward "
-        "needs at least one token per row (the stock model fails on such a call too). Skip the call when there is "
-        "nothing to run (an empty chunk, a batch of empty sequences); to keep a row without tokens in a batch, pad it "
-        "to the batch's length with attention_mask 0 on its pads; a cached sequence continues with its next token."
-    )
 
 
 def _require_no_packed_cache(ok: torch.Tensor | bool, source: str) -> None:
