@@ -493,3 +493,21 @@ def test_shadow_check_on_a_model_given_a_mask_mapping(family: str) -> None:
     s = fuzz.Session(family, skip_known=False)
     s.callbacks([[188, 4, 154], [188, 4, 154], [188, 4, 154]], wrapped=True, which="shadow")
     s.callbacks([[188, 4, 154], [7, 9]], wrapped=False, which="shadow")
+
+
+# torch.compile(model) on LFM2 with stacked [3, B, T] position_ids (make fuzz FUZZ_MINUTES=60, stop 42): LFM2 has no
+# multimodal RoPE; the stock model raises a broadcast RuntimeError eagerly and compiled alike, and so does the wrapped
+# one, but dynamo's compiled form is a TorchRuntimeError quoting symbolic sizes. The fuzzer now reads that as the stock
+# model's own refusal (session._same_error_compiled) instead of a failure of safepad's
+@pytest.mark.parametrize("family", [_param("lfm2", id="lfm2")])
+def test_compiled_stacked_positions_refused_as_stock_refuses_them(family: str) -> None:
+    s = fuzz.Session(family, skip_known=False)
+    try:
+        s.compile(mode="model", backend="eager")
+        s.packed(seqs=[[156], [116, 253, 190, 152, 66, 77], [90, 91, 237, 175, 87, 30, 252, 150, 34, 61]],
+                 via="position_ids")
+        s.forms([[87, 26, 100, 143, 25, 197, 15, 182, None], [223, None, None, None, None, None, None, None, 45]],
+                mask_form="int", positions="mrope3", offset=3, cached=False)
+        assert any(line.startswith("# stock refuses it too: TorchRuntimeError") for line in s.lines)
+    finally:
+        s.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,18 @@ def _unpatch(model: nn.Module) -> None:
         model.__dict__.pop("forward", None)
     else:
         model.forward = entry[1]
+
+
+def _same_error_compiled(exc: BaseException, stock_exc: BaseException) -> bool:
+    """A compiled call's error is the stock model's eager one: dynamo raises a ``RuntimeError`` from its fake-tensor
+    run as ``TorchRuntimeError`` (``RuntimeError when making fake tensor call``), quoting it with symbolic sizes
+    (``b (s70: hint = 2)`` for ``b (2)``); the stock message up to its first size must appear in it."""
+    from torch._dynamo.exc import TorchRuntimeError
+
+    if not (isinstance(exc, TorchRuntimeError) and isinstance(stock_exc, RuntimeError)):
+        return False
+    head = re.split(r"[(\d]", str(stock_exc), maxsplit=1)[0]
+    return len(head) >= 16 and head in str(exc)
 
 
 class Session(_EntryRules, _TrainerRules, _Oracle):
@@ -145,7 +158,7 @@ class Session(_EntryRules, _TrainerRules, _Oracle):
                 try:
                     stock_fn()
                 except Exception as stock_exc:  # noqa: BLE001
-                    if type(stock_exc) is type(exc):
+                    if type(stock_exc) is type(exc) or _same_error_compiled(exc, stock_exc):
                         self.stats.refused += 1
                         self.lines.append(f"# stock refuses it too: {type(exc).__name__}: {str(exc)[:200]!r}")
                         return False, None
