@@ -108,7 +108,7 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
     traced = tracing()
     cache = cache_from_kwargs(kwargs)[1]
     cover_row_ops(cache)  # its row operations move every state (cache_rows)
-    B, T = int(ids.shape[0]), int(ids.shape[1])
+    B, T = ids.shape[0], ids.shape[1]  # (no int(): a symbolic size under torch.compile(dynamic=True) stays one)
     check_cache_rows(cache, B)  # a cache of another batch size: name it (eager and traced alike)
     attention_mask = kwargs.get("attention_mask")
     mask = two_d_mask(attention_mask)
