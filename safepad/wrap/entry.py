@@ -42,16 +42,15 @@ __all__ = ["CallFacts", "name_arguments", "read_call", "refuse_empty_call", "two
 
 def name_arguments(positional: tuple[str, ...], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with the positional arguments moved into ``kwargs`` under their parameter names
-    (``positional``: the forward's :func:`~safepad.wrap.plan.positional_names`). Arguments past the named ones stay
-    positional, and a call that names an argument twice is handed on unchanged (the forward raises Python's own
-    ``TypeError``)."""
-    if not args:
+    (``positional``: the forward's :func:`~safepad.wrap.plan.positional_names`). A call with more positional
+    arguments than names (a forward taking ``*args``) or naming an argument twice is handed on unchanged (named, the
+    extra ones would bind to the first parameters; the forward raises Python's own ``TypeError`` for the other)."""
+    if not args or len(args) > len(positional):
         return args, kwargs
-    n = min(len(args), len(positional))
-    named = dict(zip(positional[:n], args[:n]))
+    named = dict(zip(positional, args))
     if any(k in kwargs for k in named):
         return args, kwargs
-    return tuple(args[n:]), {**named, **kwargs}
+    return (), {**named, **kwargs}
 
 
 def two_d_mask(mask: Any) -> torch.Tensor | None:
