@@ -20,6 +20,11 @@ from safepad.testing.tiny import family_available, tiny_model
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
+#: torch 2.15's dynamo guards on the whole key set of ``kwargs`` for a missing key even when the key is a constant of
+#: the traced code (``safepad._tracing.kwarg``'s way out on torch 2.11-2.14): the hook recompiles for another set of
+#: keyword arguments, one more frame than stock (a recompile, not a wrong result; found by the torch-newest tier)
+_TORCH_2_15 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 15)
+
 
 def _frames(model, calls: list[dict]) -> list[int]:
     """Frames dynamo compiles (first compiles and recompiles) for each call of ``calls`` on ``torch.compile(model)``."""
@@ -43,6 +48,7 @@ def _frames(model, calls: list[dict]) -> list[int]:
         pytest.param("bamba", True, {"output_attentions": False}, id="bamba-cached-output_attentions"),
     ],
 )
+@pytest.mark.xfail(_TORCH_2_15, strict=True, reason="torch 2.15 guards on every kwargs key for a missing one")
 @torch.no_grad()
 def test_an_unrelated_kwarg_recompiles_no_hook_frame(family: str, cached: bool, extra: dict):
     ok, why = family_available(family)

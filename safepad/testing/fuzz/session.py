@@ -53,16 +53,24 @@ def _unpatch(model: nn.Module) -> None:
         model.forward = entry[1]
 
 
+#: the wording of a shape mismatch in torch's errors (eager kernels and fake tensors)
+_SHAPE_ERROR = re.compile(r"size of tensor .* must match|broadcast")
+
+
 def _same_error_compiled(exc: BaseException, stock_exc: BaseException) -> bool:
     """A compiled call's error is the stock model's eager one: dynamo raises a ``RuntimeError`` from its fake-tensor
     run as ``TorchRuntimeError`` (``RuntimeError when making fake tensor call``), quoting it with symbolic sizes
-    (``b (s70: hint = 2)`` for ``b (2)``); the stock message up to its first size must appear in it."""
+    (``b (s70: hint = 2)`` for ``b (2)``): the stock message up to its first size appears in it. torch 2.15's fake
+    tensors word a broadcast error their own way (``Attempting to broadcast a dimension ...``): a shape error of the
+    fake-tensor run against a shape error of the stock model's eager run is the same error too."""
     from torch._dynamo.exc import TorchRuntimeError
 
     if not (isinstance(exc, TorchRuntimeError) and isinstance(stock_exc, RuntimeError)):
         return False
     head = re.split(r"[(\d]", str(stock_exc), maxsplit=1)[0]
-    return len(head) >= 16 and head in str(exc)
+    if len(head) >= 16 and head in str(exc):
+        return True
+    return "fake tensor" in str(exc) and all(_SHAPE_ERROR.search(str(e)) for e in (exc, stock_exc))
 
 
 class Session(_EntryRules, _TrainerRules, _Oracle):
