@@ -40,7 +40,8 @@ class ModelPlan:
     #: the names of the model forward's parameters, in order (positional arguments are matched to them)
     params: tuple[str, ...]
     #: the parameters positional arguments bind to, in order (:func:`positional_names`): the pre-hook names them
-    #: (:func:`safepad.wrap.entry.name_arguments`), so that every later read sees ``model(ids, mask)`` as ``attention_mask=mask``
+    #: (:func:`safepad.wrap.entry.name_arguments`), so that every later read sees ``model(ids, mask)`` as
+    #: ``attention_mask=mask``
     positional: tuple[str, ...]
     #: the forward takes ``position_ids``
     accepts_position_ids: bool
