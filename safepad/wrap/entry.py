@@ -14,7 +14,8 @@ call reads instead of the arguments:
   structure (:mod:`safepad.layout.masks`, :mod:`safepad.layout.masks_4d`), except inside the model's wrapped
   ``generate``, which checked the caller's mask on the host when it started;
 * eager cached calls: the columns the cache has read (:mod:`safepad.wrap.mask_history`), with the cache's
-  length read once (a host read on some caches), which :func:`safepad.wrap.slot_calls.slot_justify` reuses.
+  length read once per call (a host read on some caches), which :func:`safepad.wrap.slot_calls.slot_justify` and the
+  token counts reuse.
 
 Which check runs where (host or device) and what a failed device check does on CUDA: docs/limits.md,
 "Device checks".
@@ -96,7 +97,7 @@ class CallFacts:
     checked_by_generate: bool
     #: eager only: a one-token step bringing the token the wrapped ``generate`` appended (every row's token is real)
     generated: bool
-    #: eager cached calls outside ``generate``: the tokens the cache holds (one read per call); None: not read here
+    #: eager calls with a cache: the tokens it holds (one read per call); None: no cache, traced, or it cannot tell
     past: int | None
 
 
@@ -120,9 +121,14 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
         # a 4-D mask hiding pads / boundaries reaches attention only: refused (one host read; traced: on the device)
         check_four_d_mask(attention_mask, type(module).__name__)
     past = None
-    if not traced:
+    if not traced and cache is not None:
         forget_read(cache)  # a forward outside generate: generate's record of it is stale
-        past = _mask_history(module, kwargs, cache, mask, T, checked)
+        try:
+            past = _past_length(cache)  # read once per call (a host read on some caches); slot_justify reuses it
+        except ValueError:  # a cache that cannot tell its length: the model's forward (or slot_justify) raises it
+            past = None
+        if kwargs.get("use_cache") is not False:
+            _follow_mask_history(module, cache, mask, T, past, checked)
     return CallFacts(
         ids=ids,
         shape=(B, T),
@@ -135,21 +141,12 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
     )
 
 
-def _mask_history(module: nn.Module, kwargs: dict, cache: Any, mask: Any, T: int, checked: bool) -> int | None:
-    """An eager cached call's 2-D mask must keep the columns its cache has read (:mod:`safepad.wrap.mask_history`):
-    checked on the host for a chunk, on the device for a one-token step outside ``generate``; inside the model's
-    wrapped ``generate`` (whose masks never edit history) the record is dropped instead. Returns the tokens the
-    cache holds when it read them (``slot_justify`` reuses it: on some caches the length is a tensor, a host read),
-    else None."""
-    if cache is None or kwargs.get("use_cache") is False:
-        return None
+def _follow_mask_history(module: nn.Module, cache: Any, mask: Any, T: int, past: int | None, checked: bool) -> None:
+    """An eager cached call's 2-D mask must keep the columns its cache (holding ``past`` tokens; None: it cannot
+    tell) has read (:mod:`safepad.wrap.mask_history`): checked on the host for a chunk, on the device for a one-token
+    step outside ``generate``; inside the model's wrapped ``generate`` (whose masks never edit history) the record is
+    dropped instead."""
     if checked:
         forget_mask_history(cache)
-        return None
-    try:
-        past = _past_length(cache)
-    except ValueError:  # a cache with attention layers that cannot tell its length: the model's forward raises
-        return None
-    check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1)
-    return past
-
+    elif past is not None:
+        check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1)

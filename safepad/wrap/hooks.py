@@ -216,12 +216,7 @@ class _ModelPreHook:
             # (traced_slot_calls.check_traced_cache)
             token_mask = traced_slot_step(module, plan, kwargs, B, T)
         else:
-            past = facts.past  # (the cache's length, read once per call)
-            if past is None and cache is not None:  # inside generate: read here (once), for slot_justify and counts
-                try:
-                    past = _past_length(cache)
-                except ValueError:  # a cache that cannot tell its length: slot_justify raises it
-                    past = None
+            past = facts.past  # (the cache's length, read once per call: safepad.wrap.entry)
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
             args, kwargs = slot_justify(module, plan, args, kwargs, B, T, past)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
