@@ -371,11 +371,14 @@ def _prompt_columns(args: tuple, kwargs: dict) -> int | None:
 
 def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
     """A right-padded prompt (a pad after a real token in a row of the 2-D ``attention_mask`` ``[B, L]``) handed to a
-    ``generate`` that runs a compileable cache or a compiled forward: every ``[B, L, ...]`` input (``input_ids``,
-    ``inputs_embeds``, the mask, ``token_type_ids``, ...) re-laid pads first, one gather on the device
-    (:func:`safepad.layout.slots.pads_first_order`), so each row is ``[pads | its tokens]``: a left-padded prompt,
-    which a static cache, generate's own 4-D mask and a compiled forward serve as stock does, and from which safepad
-    generates each row's own tokens. The caller's prompt goes back in the output (:func:`_with_caller_prompt`).
+    ``generate`` that runs a compileable cache or a compiled forward, or to a model with attention layers: every
+    ``[B, L, ...]`` input (``input_ids``, ``inputs_embeds``, the mask, ``token_type_ids``, ...) re-laid pads first, one
+    gather on the device (:func:`safepad.layout.slots.pads_first_order`), so each row is ``[pads | its tokens]``: a
+    left-padded prompt, which a static cache, generate's own 4-D mask and a compiled forward serve as stock does, and
+    from which safepad generates each row's own tokens. Eager, it spares every decode step the re-lay of the cached
+    slots a right-padded prefill would leave (each step then runs as after a left-padded prompt: the mask generate
+    extends describes the cache's layout); not over a cache that already holds tokens in the caller's layout.
+    The caller's prompt goes back in the output (:func:`_with_caller_prompt`).
 
     Returns ``(args, kwargs, prompt)``; ``prompt`` is ``None`` when nothing was re-laid, else ``(caller's input_ids
     [B, L], re-laid ones)``, both ``None`` when no ``input_ids`` were given (``inputs_embeds`` only).
@@ -383,7 +386,14 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
         return args, kwargs, None
-    if not _compiles(model, kwargs, cache_from_kwargs(kwargs)[1]):
+    cache = cache_from_kwargs(kwargs)[1]
+    if not _compiles(model, kwargs, cache) and (
+        fresh_cache_is_recurrent_only(model.config)
+        or (cache is not None and not getattr(cache, _RELAID_FLAG, False) and bool(_counted_length(cache)))
+    ):
+        # eager: a recurrent-only model has no cached slots to re-lay; a cache holding tokens in the caller's layout
+        # (no call re-laid it: a left-padded prefill, a hand-written step with a pad) stays in it, described by the
+        # caller's mask, which a re-laid one would no longer do
         return args, kwargs, None
     m = mask.to(torch.bool)  # [B, L]
     if not bool(pads_after_real(m).any()):  # one host read: no pad after a real token anywhere

@@ -272,6 +272,35 @@ def test_continue_the_cache_of_a_prompt_relaid_before_generate(family, how):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "jamba", "qwen3_next")])
+def test_continue_a_cache_in_the_callers_layout(family):
+    """A hybrid's eager ``generate`` lays a right-padded prompt pads first, except over a cache that holds tokens in
+    the caller's layout (no call re-laid it): a left-padded prefill, then a hand-written step whose token is a pad in
+    one row (the cache row ``[pads | reals | pad]``), continued by ``generate`` on the whole sequence (a pad after
+    real tokens) and one more real token: every row goes on as its real tokens alone. Re-laying that sequence would
+    describe cached slots that never moved: the padded row's logits 4e-4 to 1.4e-3 off alone (before the fix)."""
+    stock, wrapped = _models(family)
+    prompts, ids, mask = _batch("right")
+    T = ids.shape[1]
+    left = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # the same prompts, left-padded
+        left[i, T - len(p) :] = p
+    lmask = (left != 0).to(mask.dtype)
+    name = cache_argument(wrapped)
+    cache = output_cache(wrapped(input_ids=left, attention_mask=lmask, use_cache=True))
+    step_ids, step_mask = torch.tensor([[11], [0], [13]]), torch.tensor([[1], [0], [1]], dtype=mask.dtype)
+    full = torch.cat([lmask, step_mask], 1)
+    wrapped(input_ids=step_ids, attention_mask=full, **{name: cache}, use_cache=True)
+    nxt = torch.tensor([[21], [22], [23]])
+    seq = torch.cat([left, step_ids, nxt], 1)
+    full = torch.cat([full, torch.ones(len(prompts), 1, dtype=mask.dtype)], 1)
+    out = wrapped.generate(input_ids=seq, attention_mask=full, **{name: cache},
+                           **_gen_kwargs(do_sample=False, output_logits=True))
+    own = [torch.cat([p, step_ids[i], nxt[i]] if step_mask[i, 0] else [p, nxt[i]]) for i, p in enumerate(prompts)]
+    assert _step_errors(stock, own, out, seq.shape[1]) < TOL
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("family", [_param(f) for f in ("jamba", "qwen3_next")])
 def test_continue_the_static_cache_of_an_inputs_embeds_prompt_relaid_before_generate(family):
     """As above, with the prompt given as ``inputs_embeds`` (no ``input_ids``): ``generate`` re-lays it pads first
