@@ -377,7 +377,7 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     left-padded prompt, which a static cache, generate's own 4-D mask and a compiled forward serve as stock does, and
     from which safepad generates each row's own tokens. Eager, it spares every decode step the re-lay of the cached
     slots a right-padded prefill would leave (each step then runs as after a left-padded prompt: the mask generate
-    extends describes the cache's layout); not over a cache that already holds tokens in the caller's layout.
+    extends describes the cache's layout). Never over a cache that already holds tokens in the caller's layout.
     The caller's prompt goes back in the output (:func:`_with_caller_prompt`).
 
     Returns ``(args, kwargs, prompt)``; ``prompt`` is ``None`` when nothing was re-laid, else ``(caller's input_ids
@@ -387,13 +387,14 @@ def _justified_prompt(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dic
     if not isinstance(mask, Tensor) or mask.dim() != 2 or mask.shape[1] < 2:
         return args, kwargs, None
     cache = cache_from_kwargs(kwargs)[1]
-    if not _compiles(model, kwargs, cache) and (
-        fresh_cache_is_recurrent_only(model.config)
-        or (cache is not None and not getattr(cache, _RELAID_FLAG, False) and bool(_counted_length(cache)))
-    ):
-        # eager: a recurrent-only model has no cached slots to re-lay; a cache holding tokens in the caller's layout
-        # (no call re-laid it: a left-padded prefill, a hand-written step with a pad) stays in it, described by the
-        # caller's mask, which a re-laid one would no longer do
+    # a cache with slots holding tokens in the caller's layout (no call re-laid it: a left-padded prefill, a
+    # hand-written step with a pad) stays in it, described by the caller's mask, which a re-laid one would not be
+    in_callers_layout = (
+        cache is not None and not recurrent_only(cache) and not getattr(cache, _RELAID_FLAG, False)
+        and bool(_counted_length(cache))
+    )
+    # (eager, a recurrent-only model has no cached slots to re-lay)
+    if in_callers_layout or (fresh_cache_is_recurrent_only(model.config) and not _compiles(model, kwargs, cache)):
         return args, kwargs, None
     m = mask.to(torch.bool)  # [B, L]
     if not bool(pads_after_real(m).any()):  # one host read: no pad after a real token anywhere

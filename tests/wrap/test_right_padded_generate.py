@@ -272,14 +272,31 @@ def test_continue_the_cache_of_a_prompt_relaid_before_generate(family, how):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("family", [_param(f) for f in ("nemotron_h", "jamba", "qwen3_next")])
-def test_continue_a_cache_in_the_callers_layout(family):
-    """A hybrid's eager ``generate`` lays a right-padded prompt pads first, except over a cache that holds tokens in
-    the caller's layout (no call re-laid it): a left-padded prefill, then a hand-written step whose token is a pad in
+@pytest.mark.parametrize(
+    "family, how",
+    [pytest.param(f, how, id=f"{f}-{how}") for f, how in (
+        ("nemotron_h", "eager"), ("jamba", "eager"), ("qwen3_next", "eager"),
+        ("nemotron_h", "compiled_forward"), ("qwen3_next", "compiled_forward"),
+    )],
+)
+def test_continue_a_cache_in_the_callers_layout(family, how):
+    """A hybrid's ``generate`` lays a right-padded prompt pads first, except over a cache that holds tokens in the
+    caller's layout (no call re-laid it): a left-padded prefill, then a hand-written step whose token is a pad in
     one row (the cache row ``[pads | reals | pad]``), continued by ``generate`` on the whole sequence (a pad after
-    real tokens) and one more real token: every row goes on as its real tokens alone. Re-laying that sequence would
-    describe cached slots that never moved: the padded row's logits 4e-4 to 1.4e-3 off alone (before the fix)."""
+    real tokens) and one more real token: every row goes on as its real tokens alone. Re-laying that sequence
+    described cached slots that never moved: the padded row's logits 4e-4 to 1.4e-3 off alone (eager, before the
+    fix; the same under a compiled forward, whose generate re-laid every right-padded prompt, before)."""
     stock, wrapped = _models(family)
+    if how == "compiled_forward":
+        wrapped.forward = torch.compile(wrapped.forward, backend="eager")
+    try:
+        _continue_a_cache_in_the_callers_layout(stock, wrapped)
+    finally:
+        wrapped.__dict__.pop("forward", None)
+        torch._dynamo.reset()
+
+
+def _continue_a_cache_in_the_callers_layout(stock, wrapped):
     prompts, ids, mask = _batch("right")
     T = ids.shape[1]
     left = torch.zeros_like(ids)
