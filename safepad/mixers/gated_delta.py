@@ -210,8 +210,7 @@ def gated_delta_mixer_forward(
             recurrent=rec_new,  # held in gated_delta_rule_step (token_mask): no pass over the state here
             inputs=mixed,  # kept by a cache that records its past (assisted generation)
             token_mask=mask,
-        )
-        o = o[:, None]  # [B, 1, H, Dv]
+        )  # o stays [B, H, Dv]: T = 1 (reshaped below, no extra view)
     else:
         want_state = cache is not None
         conv_in = mixed
@@ -248,10 +247,9 @@ def gated_delta_mixer_forward(
             o = torch.where(mask[:, :, None, None], o, 0.0)  # pad outputs are unspecified by the op: make them 0
 
     gate = _output_gate(self, opts, hidden_states, z)
-    Tq = o.shape[1]
-    o = o.reshape(Bsz * Tq * o.shape[2], Dv)  # [B * T * H, Dv]
+    o = o.reshape(-1, Dv)  # [B * T * H, Dv]
     gate = gate.reshape(-1, Dv)  # [B * T * H, Dv]
     y = getattr(self, opts.get("norm", "norm"))(o, gate)  # [B * T * H, Dv]
-    y = y.reshape(Bsz, Tq, -1)  # [B, T, H * Dv]
+    y = y.reshape(Bsz, T, -1)  # [B, T, H * Dv]
     out = getattr(self, opts.get("out", "out_proj"))(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)

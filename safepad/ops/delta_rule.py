@@ -326,7 +326,8 @@ def gated_delta_rule_step(
         qk = l2norm(qk)
     if hk != h:
         qk = qk.repeat_interleave(h // hk, dim=2)  # [2, B, H, Dk]
-    q, k = qk[0] * scale, qk[1]  # [B, H, Dk] each, contiguous
+    q, k = qk.unbind(0)  # [B, H, Dk] each, contiguous
+    q = q * scale
     decay = g.exp().reshape(bh, -1, 1)  # [B * H, Dk|1, 1]
     s = state.to(cdt).reshape(bh, dk, dv) * decay  # [B * H, Dk, Dv]
     pred = torch.bmm(k.view(bh, 1, dk), s).view(bsz, h, dv)  # k^T S  [B, H, Dv]
