@@ -290,8 +290,8 @@ def gated_delta_rule_step(
             runs the torch core (``"kernels"`` raises).
 
     A decode step is launch-bound, so each pass is one op: ``q`` and ``k`` are masked, L2-normalised and grouped
-    as one stacked tensor, and the recurrence is three batched matmuls over ``[B * H]`` (``k^T S``, the rank-one
-    write as ``baddbmm``, ``q^T S``).
+    as one stacked tensor, and the recurrence runs over ``[B * H]``: ``k^T S`` and ``q^T S`` as batched matmuls, the
+    rank-one write ``S + k ⊗ delta`` as one ``addcmul``.
 
     Returns:
         ``(o [B, H, Dv] in v's dtype, new_state [B, H, Dk, Dv] float32 (float64 for float64 inputs))``.
@@ -334,7 +334,7 @@ def gated_delta_rule_step(
     delta = (v - pred) * beta[..., None]  # [B, H, Dv]
     if drop is not None:
         delta = delta.masked_fill(drop, 0.0)  # with k = 0 and g = 0 above: the row's state is left exactly
-    s = torch.baddbmm(s, k.view(bh, dk, 1), delta.view(bh, 1, dv))  # S + k ⊗ delta  [B * H, Dk, Dv]
+    s = torch.addcmul(s, k.view(bh, dk, 1), delta.view(bh, 1, dv))  # S + k ⊗ delta, one pass  [B * H, Dk, Dv]
     o = torch.bmm(q.view(bh, 1, dk), s).view(bsz, h, dv)  # [B, H, Dv]
     return o.to(out_dtype), s.view(bsz, h, dk, dv)
 
