@@ -58,18 +58,47 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "gated_delta_mixer_forward"]
 DEFAULT_CHUNK_SIZE = 64
 
 
+#: (class, sizes, device) -> the column indices that regroup ``in_proj_qkvz`` / ``in_proj_ba`` (see _qkvz_ba_index)
+_QKVZ_BA_INDEX: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _regroup_index(self, qkvz_dim: int, ba_dim: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The module's own ``fix_query_key_value_ordering`` applied to column numbers: the indices of ``[q | k | v]``
+    ``[2 * H_k * Dk + H * Dv]`` and of ``z`` ``[H * Dv]`` in ``in_proj_qkvz``'s output, and of ``[b | a]``
+    ``[2 * H]`` in ``in_proj_ba``'s (int64)."""
+    cols = torch.arange(qkvz_dim, device=device).view(1, 1, qkvz_dim)  # [1, 1, qkvz_dim]
+    cols_ba = torch.arange(ba_dim, device=device).view(1, 1, ba_dim)  # [1, 1, 2 * H]
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(cols, cols_ba)
+    qkv = torch.cat([x.reshape(-1) for x in (q, k, v)])  # [2 * H_k * Dk + H * Dv]
+    return qkv, z.reshape(-1), torch.cat([b.reshape(-1), a.reshape(-1)])  # ..., [H * Dv], [2 * H]
+
+
+def _qkvz_ba_index(self, qkvz_dim: int, ba_dim: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_regroup_index`, made once per (class, sizes, device): a function of the module's sizes only (no
+    parameter), so no training step or ``load_state_dict`` can make it stale. Inside a traced call it is computed
+    in the graph (a module-level cache is no state for dynamo to trace)."""
+    if torch.compiler.is_compiling():
+        return _regroup_index(self, qkvz_dim, ba_dim, device)
+    sizes = tuple(getattr(self, n) for n in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"))
+    key = (type(self), sizes, qkvz_dim, ba_dim, device)
+    index = _QKVZ_BA_INDEX.get(key)
+    if index is None:
+        index = _QKVZ_BA_INDEX[key] = _regroup_index(self, qkvz_dim, ba_dim, device)
+    return index
+
+
 def _project_qkv(self, opts, hidden_states: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``hidden_states [B, T, C]`` -> (conv input ``[B, T, 2 * H_k * Dk + H * Dv]`` as ``[q | k | v]``,
-    Qwen3-Next's ``z [B, T, H, Dv]``, ``b [B, T, H]``, ``a [B, T, H]``; ``None`` for the others)."""
+    Qwen3-Next's ``z [B, T, H * Dv]``, ``b [B, T, H]``, ``a [B, T, H]``; ``None`` for the others)."""
     layout = opts.get("qkv", ("q_proj", "k_proj", "v_proj"))
     if layout == "qkvz_ba":
         qkvz = self.in_proj_qkvz(hidden_states)  # [B, T, 2 * H_k * Dk + 2 * H * Dv]
         ba = self.in_proj_ba(hidden_states)  # [B, T, 2 * H]
-        q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)  # q,k [B,T,H_k,Dk]; v,z [B,T,H,Dv]; b,a [B,T,H]
-        # the stock split ``view``s qkvz / ba: their gradients must come back contiguous (safepad.ops.grad)
-        q, k, v, z, b, a = (contiguous_grad(x) for x in (q, k, v, z, b, a))
-        flat = [x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)]  # [B, T, H_k * Dk] x2, [B, T, H * Dv]
-        return torch.cat(flat, dim=-1), z, b, a
+        # the stock regrouping (views, splits, a copy per reshaped part, a cat) as one gather per output: the same
+        # values, and gradients that come back as fresh tensors (index_select's backward), not views
+        qkv_i, z_i, ba_i = _qkvz_ba_index(self, qkvz.shape[-1], ba.shape[-1], qkvz.device)
+        b, a = ba.index_select(-1, ba_i).chunk(2, dim=-1)  # [B, T, H] each
+        return qkvz.index_select(-1, qkv_i), qkvz.index_select(-1, z_i), b, a
     if isinstance(layout, tuple) and layout and all(isinstance(n, str) for n in layout):
         parts = [getattr(self, name)(hidden_states) for name in layout]
         return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), None, None, None  # [B, T, conv_dim]
@@ -100,7 +129,7 @@ def _decay(self, opts, hidden_states: Tensor, a: Tensor | None) -> Tensor:
 
 
 def _output_gate(self, opts, hidden_states: Tensor, z: Tensor | None) -> Tensor:
-    """The gate of the output norm, ``[B, T, H * Dv]`` (or ``z [B, T, H, Dv]``)."""
+    """The gate of the output norm, ``[B, T, H * Dv]`` (Qwen3-Next's ``z`` too)."""
     chain = opts.get("gate")
     if not chain:
         return z
@@ -181,8 +210,7 @@ def gated_delta_mixer_forward(
             recurrent=rec_new,  # held in gated_delta_rule_step (token_mask): no pass over the state here
             inputs=mixed,  # kept by a cache that records its past (assisted generation)
             token_mask=mask,
-        )
-        o = o[:, None]  # [B, 1, H, Dv]
+        )  # o stays [B, H, Dv]: T = 1 (reshaped below, no extra view)
     else:
         want_state = cache is not None
         conv_in = mixed
@@ -219,10 +247,9 @@ def gated_delta_mixer_forward(
             o = torch.where(mask[:, :, None, None], o, 0.0)  # pad outputs are unspecified by the op: make them 0
 
     gate = _output_gate(self, opts, hidden_states, z)
-    Tq = o.shape[1]
-    o = o.reshape(Bsz * Tq * o.shape[2], Dv)  # [B * T * H, Dv]
+    o = o.reshape(-1, Dv)  # [B * T * H, Dv]
     gate = gate.reshape(-1, Dv)  # [B * T * H, Dv]
     y = getattr(self, opts.get("norm", "norm"))(o, gate)  # [B * T * H, Dv]
-    y = y.reshape(Bsz, Tq, -1)  # [B, T, H * Dv]
+    y = y.reshape(Bsz, T, -1)  # [B, T, H * Dv]
     out = getattr(self, opts.get("out", "out_proj"))(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)

@@ -283,10 +283,15 @@ def gated_delta_rule_step(
         q, k: ``[B, H_k, Dk]``; v: ``[B, H, Dv]``; g: ``[B, H]`` or ``[B, H, Dk]``; beta: ``[B, H]``.
         scale, use_qk_l2norm: as in :func:`chunk_gated_delta_rule`.
         token_mask: ``[B]`` bool or None. A row whose token is masked (False) keeps a finite state exactly (its
-            ``o`` is not meaningful): its ``g``, ``beta``, ``k`` and ``v`` are zeroed (a NaN there never reaches
-            the state), so the decay is ``exp(0) = 1`` and the correction 0, with no extra pass over the state.
-        backend: accepted for symmetry; the step is a handful of elementwise ops and always runs the
-            torch core (``"kernels"`` raises).
+            ``o`` is not meaningful): its ``q``, ``k`` and ``g`` and its correction ``beta * (v - k^T S)`` are
+            zeroed (a NaN there never reaches the state), so the decay is ``exp(0) = 1`` and the write 0, with no
+            extra pass over the state.
+        backend: accepted for symmetry; the step is a handful of elementwise ops and batched matmuls and always
+            runs the torch core (``"kernels"`` raises).
+
+    A decode step is launch-bound, so each pass is one op: ``q`` and ``k`` are masked, L2-normalised and grouped
+    as one stacked tensor, and the recurrence runs over ``[B * H]``: ``k^T S`` and ``q^T S`` as batched matmuls, the
+    rank-one write ``S + k ⊗ delta`` as one ``addcmul``.
 
     Returns:
         ``(o [B, H, Dv] in v's dtype, new_state [B, H, Dk, Dv] float32 (float64 for float64 inputs))``.
@@ -303,26 +308,35 @@ def gated_delta_rule_step(
 
     cdt = _compute_dtype(q, k, v, g, beta, state)
     out_dtype = v.dtype  # o comes back in the input's dtype, rounded as the chunked path rounds it
-    q, k, v, g, beta = (x.to(cdt) for x in (q, k, v, g, beta))
+    bsz = q.shape[0]
+    bh = bsz * h
+    # one op per pass, written for a launch-bound decode step: q and k go through the mask, the L2 norm and the
+    # head grouping as one tensor; the recurrence runs as three batched matmuls over [B * H] (no einsum re-lay)
+    qk = torch.stack((q, k)).to(cdt)  # [2, B, H_k, Dk]
+    v, g, beta = (x.to(cdt) for x in (v, g, beta))
+    drop = None
     if token_mask is not None:
-        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (q.shape[0],):
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (bsz,):
             got = getattr(token_mask, "shape", token_mask)
-            raise ValueError(f"token_mask must have shape [batch] = [{q.shape[0]}], got {got}")
-        keep = token_mask.to(torch.bool)
-        k, v, g = (torch.where(keep.view(-1, *[1] * (x.dim() - 1)), x, 0.0) for x in (k, v, g))
-        beta = torch.where(keep[:, None], beta, 0.0)  # [B, H]
+            raise ValueError(f"token_mask must have shape [batch] = [{bsz}], got {got}")
+        drop = (~token_mask.to(torch.bool)).view(bsz, 1, 1)  # [B, 1, 1]: True = masked row
+        qk = qk.masked_fill(drop, 0.0)  # [2, B, H_k, Dk]
+        g = g.masked_fill(drop if per_channel else drop[:, 0], 0.0)  # exp(0) = 1: no decay
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        qk = l2norm(qk)
     if hk != h:
-        q, k = (x.repeat_interleave(h // hk, dim=1) for x in (q, k))  # [B, H, Dk]
+        qk = qk.repeat_interleave(h // hk, dim=2)  # [2, B, H, Dk]
+    q, k = qk.unbind(0)  # [B, H, Dk] each, contiguous
     q = q * scale
-    decay = g.exp()[..., None] if per_channel else g.exp()[..., None, None]  # [B, H, Dk|1, 1]
-    s = state.to(cdt) * decay  # [B, H, Dk, Dv]
-    pred = torch.einsum("bhkv,bhk->bhv", s, k)  # [B, H, Dv]
+    decay = g.exp().reshape(bh, -1, 1)  # [B * H, Dk|1, 1]
+    s = state.to(cdt).reshape(bh, dk, dv) * decay  # [B * H, Dk, Dv]
+    pred = torch.bmm(k.view(bh, 1, dk), s).view(bsz, h, dv)  # k^T S  [B, H, Dv]
     delta = (v - pred) * beta[..., None]  # [B, H, Dv]
-    s = s + k[..., :, None] * delta[..., None, :]  # [B, H, Dk, Dv]
-    o = torch.einsum("bhkv,bhk->bhv", s, q)  # [B, H, Dv]
-    return o.to(out_dtype), s
+    if drop is not None:
+        delta = delta.masked_fill(drop, 0.0)  # with k = 0 and g = 0 above: the row's state is left exactly
+    s = torch.addcmul(s, k.view(bh, dk, 1), delta.view(bh, 1, dv))  # S + k ⊗ delta, one pass  [B * H, Dk, Dv]
+    o = torch.bmm(q.view(bh, 1, dk), s).view(bsz, h, dv)  # [B, H, Dv]
+    return o.to(out_dtype), s.view(bsz, h, dk, dv)
 
 
 def _pack_outputs(

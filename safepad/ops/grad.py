@@ -35,5 +35,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def contiguous_grad(x: Tensor) -> Tensor:
-    """``x`` unchanged (any shape); its gradient comes back as a new contiguous tensor of the same shape."""
+    """``x`` unchanged (any shape); its gradient comes back as a new contiguous tensor of the same shape.
+
+    Where no gradient can flow (grad mode off, as in ``generate`` and every decode step, or ``x`` not requiring
+    grad) this is ``x`` itself: no autograd node, no op dispatched."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
     return _ContiguousGrad.apply(x)

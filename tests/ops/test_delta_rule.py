@@ -429,3 +429,39 @@ def test_step_token_mask_keeps_masked_rows_bitwise(per_channel, hk):
     assert s_ref[1].isnan().all()  # without the mask the NaN token reaches the state
     with pytest.raises(ValueError, match="token_mask"):
         gated_delta_rule_step(state, *step, use_qk_l2norm=True, token_mask=keep[:2])
+
+
+@pytest.mark.parametrize(
+    "per_channel, hk",
+    [
+        pytest.param(False, None, id="gdn"),
+        pytest.param(False, 2, id="gdn-grouped"),
+        pytest.param(True, None, id="kda"),
+    ],
+)
+def test_step_dispatches_no_more_ops_than_hf_recurrence(per_channel, hk):
+    """Issue 38: a decode step is launch-bound. The step dispatches no more aten ops (views included) than
+    transformers' own one-token recurrence for the same call, and its token mask costs at most 6 more (one
+    negation, a view, three masked_fills and a select). Before: 44 / 52 / 43 unmasked against HF's 43 / 51 / 36,
+    and 12 ops for the mask."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    from safepad.testing.launches import count_ops
+
+    q, k, v, g, beta = make_inputs(3, 1, 4, 16, 8, per_channel=per_channel, hk=hk, seed=3)
+    h0 = torch.randn(3, 4, 16, 8, generator=torch.Generator().manual_seed(4))
+    hf_rule = recurrent_kimi_delta_attention if per_channel else torch_recurrent_gated_delta_rule
+    hf = count_ops(
+        lambda: hf_rule(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    )
+    step = [x[:, 0] for x in (q, k, v, g, beta)]
+    ours = count_ops(lambda: gated_delta_rule_step(h0, *step, use_qk_l2norm=True))
+    keep = torch.tensor([True, False, True])
+    masked = count_ops(lambda: gated_delta_rule_step(h0, *step, use_qk_l2norm=True, token_mask=keep))
+    # the counted calls compute the same step: the op count is of a correct step, not of a shortcut
+    ho, hs = hf.result
+    assert rel_err(ours.result[0], ho[:, 0]) < 1e-5 and rel_err(ours.result[1], hs) < 1e-5
+    assert torch.equal(masked.result[1][keep], ours.result[1][keep]) and torch.equal(masked.result[1][1], h0[1])
+    assert ours.count <= hf.count, (ours.ops, hf.ops)
+    assert masked.count - ours.count <= 6, masked.ops - ours.ops

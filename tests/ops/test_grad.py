@@ -56,3 +56,17 @@ def test_the_chunked_rule_hands_back_contiguous_input_gradients(t: int, per_chan
     chunk_gated_delta_rule(*inputs, chunk_size=64, use_qk_l2norm=True, token_mask=mask, backend="torch").sum().backward()
     assert sorted(seen) == sorted("q k v g beta".split())
     assert [name for name, grad in seen.items() if not grad.is_contiguous()] == []
+
+
+@pytest.mark.parametrize(
+    "grad_mode, requires_grad",
+    [pytest.param(False, True, id="no_grad_mode"), pytest.param(True, False, id="input_without_grad")],
+)
+def test_no_op_where_no_gradient_can_flow(grad_mode: bool, requires_grad: bool) -> None:
+    # a decode step runs under no_grad: the identity must cost nothing there (issue 38: one aten.view per call before)
+    from safepad.testing.launches import count_ops
+
+    x = torch.randn(2, 3, requires_grad=requires_grad)
+    with torch.set_grad_enabled(grad_mode):
+        y, count, ops = count_ops(lambda: contiguous_grad(x))
+    assert y is x and count == 0, ops
