@@ -27,7 +27,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._tracing import tracing
 from ..layout.boundaries import validate_seq_idx
@@ -80,13 +79,13 @@ def _prepare(input_gate_weight: Tensor, input_gate_bias: Tensor, recurrent_gate_
     H, P = input_gate_bias.shape
     w = torch.cat([input_gate_weight.to(ct), recurrent_gate_weight.to(ct)], dim=-1)  # [H, P, 2P]
     b = torch.cat([input_gate_bias.to(ct), recurrent_gate_bias.to(ct)], dim=-1).unsqueeze(1)  # [H, 1, 2P]
-    k = F.softplus(recurrent_param.to(ct)).view(H, P) * -c  # [H, P]
+    k = F.softplus(recurrent_param.to(ct)).reshape(H, P) * -c  # [H, P]
     return w, b, k
 
 
-#: ``input_gate_weight`` (weakly, by identity) -> ``(weakrefs to the other four parameters, key, prepared)``: the
-#: :func:`_prepare` d gate parameters of the last call that needed no gradient of them (see :func:`_gate_params`)
-_PREPARED = WeakIdKeyDictionary()
+#: ``id(input_gate_weight)`` -> ``(weakref to it, weakrefs to the other four, key, prepared)``: the :func:`_prepare` d gate parameters of the
+#: last call that needed no gradient of them (see :func:`_gate_params`); an entry goes with its weight
+_PREPARED: dict[int, tuple[weakref.ref, tuple[weakref.ref, ...], tuple, tuple[Tensor, Tensor, Tensor]]] = {}
 #: the tensor types whose prepared parameters are kept (a subclass, e.g. a DTensor, may have no data pointer)
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -98,23 +97,35 @@ def _gate_params(params: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], ct: torc
 
     The prepared tensors are a function of the parameters only, so a decode step need not rebuild them (two
     ``cat``, five casts of a half-precision model's parameters, the softplus and its scaling: per layer, per step).
-    They are reused only while every parameter is the same object at the same ``_version``, data pointer, dtype,
-    device, shape and strides, with the same ``ct`` and ``c`` and inference mode: an in-place update (an optimizer
-    step, ``load_state_dict``, ``copy_`` under ``no_grad``), a new parameter object, ``.to()`` or ``param.data =``
-    rebuilds them. (A write through ``param.data.copy_`` bypasses the version counter, as it bypasses autograd:
-    do not write these parameters' values through ``.data`` between calls.) Rebuilt on every call where a
-    gradient of a parameter is needed, while tracing, and for inference tensors, meta tensors and subclasses.
+    They are reused only while every parameter is the same object at the same ``_version`` and data pointer, with
+    the same ``ct``, ``c`` and inference mode: an in-place update (an optimizer step, ``load_state_dict``,
+    ``copy_`` under ``no_grad``), a new parameter object, ``.to()`` or ``param.data = new`` rebuilds them. (A
+    write through ``param.data.copy_`` bypasses the version counter, as it bypasses autograd: do not write these
+    parameters' values through ``.data`` between calls.) Rebuilt on every call where a gradient of a parameter is
+    needed, while tracing, and for inference tensors and tensor subclasses. They cost the memory of the two gate
+    weights in ``ct`` per block, for as long as its ``input_gate_weight`` lives.
     """
-    if (tracing() or (torch.is_grad_enabled() and any(p.requires_grad for p in params))
-            or any(type(p) not in _PLAIN or p.is_inference() or p.is_meta for p in params)):
+    wi, bi, wr, br, lam = params
+    if tracing() or (torch.is_grad_enabled() and (wi.requires_grad or bi.requires_grad or wr.requires_grad
+                                                   or br.requires_grad or lam.requires_grad)):
         return _prepare(*params, ct, c)
-    key = (ct, float(c), torch.is_inference_mode_enabled(),
-           *[(p._version, p.data_ptr(), p.dtype, p.device, p.shape, p.stride()) for p in params])
-    held = _PREPARED.get(params[0])
-    if held is not None and held[1] == key and all(r() is p for r, p in zip(held[0], params[1:])):
-        return held[2]
+    plain = _PLAIN  # (unrolled: this runs per layer per decode step)
+    if not (type(wi) in plain and type(bi) in plain and type(wr) in plain and type(br) in plain
+            and type(lam) in plain):
+        return _prepare(*params, ct, c)
+    try:
+        key = (ct, c, torch.is_inference_mode_enabled(), wi._version, wi.data_ptr(), bi._version, bi.data_ptr(),
+               wr._version, wr.data_ptr(), br._version, br.data_ptr(), lam._version, lam.data_ptr())
+    except RuntimeError:  # an inference tensor has no version counter
+        return _prepare(*params, ct, c)
+    held = _PREPARED.get(id(wi))
+    if (held is not None and held[0]() is wi and held[2] == key
+            and held[1][0]() is bi and held[1][1]() is wr and held[1][2]() is br and held[1][3]() is lam):
+        return held[3]
     prepared = _prepare(*params, ct, c)
-    _PREPARED[params[0]] = (tuple(weakref.ref(p) for p in params[1:]), key, prepared)
+    ident = id(wi)
+    _PREPARED[ident] = (weakref.ref(wi, lambda _, k=ident: _PREPARED.pop(k, None)),
+                        (weakref.ref(bi), weakref.ref(wr), weakref.ref(br), weakref.ref(lam)), key, prepared)
     return prepared
 
 
