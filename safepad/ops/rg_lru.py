@@ -88,8 +88,9 @@ def _prepare(input_gate_weight: Tensor, input_gate_bias: Tensor, recurrent_gate_
     return w, b, k
 
 
-#: ``id(input_gate_weight)`` -> ``(weakref to it, weakrefs to the other four, key, prepared)``: the :func:`_prepare` d gate parameters of the
-#: last call that needed no gradient of them (see :func:`_gate_params`); an entry goes with its weight
+#: ``id(input_gate_weight)`` -> ``(weakref to it, weakrefs to the other four, key, prepared)``: the
+#: :func:`_prepare` d gate parameters of the last call that needed no gradient of them (see :func:`_gate_params`);
+#: an entry goes with its weight
 _PREPARED: dict[int, tuple[weakref.ref, tuple[weakref.ref, ...], tuple, tuple[Tensor, Tensor, Tensor]]] = {}
 #: the tensor types whose prepared parameters are kept (a subclass, e.g. a DTensor, may have no data pointer)
 _PLAIN = (Tensor, torch.nn.Parameter)
