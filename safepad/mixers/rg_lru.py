@@ -122,16 +122,28 @@ def _rows_started(cache, idx: int, B: int) -> Tensor | None:
     return started if isinstance(started, Tensor) and tuple(started.shape) == (B,) else None
 
 
-def _mark_started(cache, idx: int, started: Tensor | None, mask: Tensor | None, B: int, device) -> None:
+def _mark_started(cache, idx: int, started: Tensor | None, mask: Tensor | None) -> None:
     """After a cached call: a row has started once it read a real token (``mask`` ``[B, T]``, None: every token
-    real). Device math only (no host read)."""
+    real). Device math only (no host read), once per call for all the recurrent layers that hold the same flags."""
     layer = cache.layers[idx]
-    if mask is None and started is None:
+    if mask is None:  # every row read a real token: every row has started, which the flags' absence says
         if STARTED_ATTR in vars(layer):
             delattr(layer, STARTED_ATTR)
         return
-    now = torch.ones(B, dtype=torch.bool, device=device) if mask is None else mask.to(torch.bool).any(dim=1)
-    setattr(layer, STARTED_ATTR, now if started is None else started.to(now.device) | now)
+    # each recurrent layer of one call holds the same flags (shared since the call that set them) and reads the
+    # same mask: the first one computes the new flags, the others take them from the call's memo
+    ctx = None if tracing() else current_context()
+    key = ("rg_lru_started", id(mask), id(started))
+    held = ctx.layouts.get(key) if ctx is not None else None
+    if held is not None and held[0] is mask and held[1] is started:
+        now = held[2]
+    else:
+        now = mask.to(torch.bool).any(dim=1)  # [B]
+        if started is not None:
+            now = started.to(now.device) | now
+        if ctx is not None:
+            ctx.layouts[key] = (mask, started, now)  # (the tensors held: their ids stay theirs for the call)
+    setattr(layer, STARTED_ATTR, now)
 
 
 def rg_lru_block_forward(
@@ -206,7 +218,7 @@ def rg_lru_block_forward(
     if cache is not None:
         conv_new = conv_new.to(x_branch.dtype)
         write_states(cache, idx, tokens=T, conv=conv_new, recurrent=rec_new)
-        _mark_started(cache, idx, started, mask, B, input_states.device)
+        _mark_started(cache, idx, started, mask)
         self.conv1d_state, lru.recurrent_states = conv_new, rec_new  # the module storage mirrors the cache
     elif not use_cache:
         self.conv1d_state, lru.recurrent_states = None, None  # as the stock block

@@ -17,16 +17,23 @@ The scan is a chunked Hillis-Steele scan of the affine maps ``h -> a h + b``: ``
 inside each chunk (only between tokens of one segment, combined by selection, so a NaN never crosses a
 boundary), then one carry per chunk. No division, no ``exp(-cumsum)``: it is stable for any ``a`` in
 ``[0, 1]``. ``sqrt(1 - a²)`` has its gradient clipped at 1000 as in the stock module.
+
+Both gates are one ``baddbmm`` over the heads, on the two gates' block weights stacked side by side; those, the
+biases and ``-c softplus(Λ)`` in the compute dtype are kept between calls that need no gradient of them, rebuilt
+whenever a parameter changes (:func:`_gate_params`). A decode step (:func:`rg_lru_step`) then dispatches about 20
+aten ops, each a kernel launch on CUDA, where the stock module's step dispatches 37.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._tracing import tracing
 from ..layout.boundaries import validate_seq_idx
 from .amp import fp32_core
 
@@ -69,6 +76,77 @@ def _check_params(W: int, input_gate_weight: Tensor, input_gate_bias: Tensor, re
     return H, P
 
 
+def _prepare(input_gate_weight: Tensor, input_gate_bias: Tensor, recurrent_gate_weight: Tensor,
+             recurrent_gate_bias: Tensor, recurrent_param: Tensor, ct: torch.dtype,
+             c: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The gate parameters in ``ct`` as :func:`_gates` takes them: ``(w [H, P, 2P]`` both gates' blocks side by side
+    (input gate first), ``b [H, 1, 2P]`` their biases, ``k [H, P] = -c softplus(Λ)``)."""
+    H, P = input_gate_bias.shape
+    w = torch.cat([input_gate_weight.to(ct), recurrent_gate_weight.to(ct)], dim=-1)  # [H, P, 2P]
+    b = torch.cat([input_gate_bias.to(ct), recurrent_gate_bias.to(ct)], dim=-1).unsqueeze(1)  # [H, 1, 2P]
+    k = F.softplus(recurrent_param.to(ct)).reshape(H, P) * -c  # [H, P]
+    return w, b, k
+
+
+#: ``id(input_gate_weight)`` -> ``(weakref to it, weakrefs to the other four, key, prepared)``: the
+#: :func:`_prepare` d gate parameters of the last call that needed no gradient of them (see :func:`_gate_params`);
+#: an entry goes with its weight
+_PREPARED: dict[int, tuple[weakref.ref, tuple[weakref.ref, ...], tuple, tuple[Tensor, Tensor, Tensor]]] = {}
+#: the tensor types whose prepared parameters are kept (a subclass, e.g. a DTensor, may have no data pointer)
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _gate_params(params: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], ct: torch.dtype,
+                 c: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_prepare` of ``params`` (``input_gate_weight, input_gate_bias, recurrent_gate_weight,
+    recurrent_gate_bias, recurrent_param``), kept between calls where no gradient of them is needed.
+
+    The prepared tensors are a function of the parameters only, so a decode step need not rebuild them (two
+    ``cat``, five casts of a half-precision model's parameters, the softplus and its scaling: per layer, per step).
+    They are reused only while every parameter is the same object at the same ``_version`` and data pointer, with
+    the same ``ct``, ``c`` and inference mode: an in-place update (an optimizer step, ``load_state_dict``,
+    ``copy_`` under ``no_grad``), a new parameter object, ``.to()`` or ``param.data = new`` rebuilds them. (A
+    write through ``param.data.copy_`` bypasses the version counter, as it bypasses autograd: do not write these
+    parameters' values through ``.data`` between calls.) Rebuilt on every call where a gradient of a parameter is
+    needed, while tracing, and for inference tensors and tensor subclasses. They cost the memory of the two gate
+    weights in ``ct`` per block, for as long as its ``input_gate_weight`` lives.
+    """
+    wi, bi, wr, br, lam = params
+    if tracing() or (torch.is_grad_enabled() and (wi.requires_grad or bi.requires_grad or wr.requires_grad
+                                                   or br.requires_grad or lam.requires_grad)):
+        return _prepare(*params, ct, c)
+    plain = _PLAIN  # (unrolled: this runs per layer per decode step)
+    if not (type(wi) in plain and type(bi) in plain and type(wr) in plain and type(br) in plain
+            and type(lam) in plain):
+        return _prepare(*params, ct, c)
+    try:
+        key = (ct, c, torch.is_inference_mode_enabled(), wi._version, wi.data_ptr(), bi._version, bi.data_ptr(),
+               wr._version, wr.data_ptr(), br._version, br.data_ptr(), lam._version, lam.data_ptr())
+    except RuntimeError:  # an inference tensor has no version counter
+        return _prepare(*params, ct, c)
+    held = _PREPARED.get(id(wi))
+    if (held is not None and held[0]() is wi and held[2] == key
+            and held[1][0]() is bi and held[1][1]() is wr and held[1][2]() is br and held[1][3]() is lam):
+        return held[3]
+    prepared = _prepare(*params, ct, c)
+    ident = id(wi)
+    _PREPARED[ident] = (weakref.ref(wi, lambda _, k=ident: _PREPARED.pop(k, None)),
+                        (weakref.ref(bi), weakref.ref(wr), weakref.ref(br), weakref.ref(lam)), key, prepared)
+    return prepared
+
+
+def _gates(xv: Tensor, w: Tensor, b: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gates of ``xv [N, H, P]`` with the :func:`_prepare` d ``w, b, k``: ``(gated i * x, a, sqrt(1 - a²))``, each
+    ``[N, H, P]``. Both gates are one ``baddbmm`` over the heads; ``gated`` is laid out as ``xv`` (token by token),
+    ``a`` and ``sqrt(1 - a²)`` head by head (a ``reshape`` to ``[..., W]`` copies them)."""
+    P = xv.shape[-1]
+    g = torch.sigmoid(torch.baddbmm(b, xv.transpose(0, 1), w)).transpose(0, 1)  # [H, N, 2P] -> [N, H, 2P]
+    log_a = g[..., P:] * k  # [N, H, P]: log a = -c r softplus(Λ)
+    a = torch.exp(log_a)
+    mult = _SqrtBoundGrad.apply(1 - torch.exp(2 * log_a))
+    return xv * g[..., :P], a, mult
+
+
 def rg_lru_gates(
     x: Tensor,
     input_gate_weight: Tensor,
@@ -81,18 +159,14 @@ def rg_lru_gates(
     """Gates of ``x [..., W]``: ``(gated input i * x, a, sqrt(1 - a²))``, each ``[..., W]``, in x's dtype.
 
     ``input_gate_weight`` / ``recurrent_gate_weight`` ``[H, P, P]`` (block-diagonal, applied as ``x[h] @ W[h]``),
-    biases ``[H, P]``, ``recurrent_param`` (Λ) ``[W]``.
+    biases ``[H, P]``, ``recurrent_param`` (Λ) ``[W]``; the parameters are cast to x's dtype.
     """
     W = x.shape[-1]
     H, P = _check_params(W, input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias,
                          recurrent_param)
-    xh = x.reshape(*x.shape[:-1], H, P)  # [..., W] -> [..., H, P]
-    gi = torch.sigmoid(torch.einsum("...hi,hij->...hj", xh, input_gate_weight) + input_gate_bias).reshape(x.shape)
-    gr = torch.sigmoid(torch.einsum("...hi,hij->...hj", xh, recurrent_gate_weight) + recurrent_gate_bias)
-    log_a = -c * gr.reshape(x.shape) * F.softplus(recurrent_param)  # [..., W]
-    a = torch.exp(log_a)
-    mult = _SqrtBoundGrad.apply(1 - torch.exp(2 * log_a))
-    return x * gi, a, mult
+    params = (input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias, recurrent_param)
+    gated, a, mult = _gates(x.reshape(-1, H, P), *_gate_params(params, x.dtype, c))  # [N, H, P] each
+    return gated.reshape(x.shape), a.reshape(x.shape), mult.reshape(x.shape)
 
 
 def _shift(t: Tensor, d: int, fill: float | int) -> Tensor:
@@ -201,9 +275,11 @@ def rg_lru(
     xc = x.to(ct)
     if mask is not None:
         xc = torch.where(mask.unsqueeze(-1), xc, 0.0)  # [B, T, W]: a NaN at a pad never reaches a gate
-    params = [p.to(ct) for p in (input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias,
-                                 recurrent_param)]
-    gated, a, mult = rg_lru_gates(xc, *params, c=c)  # [B, T, W] each
+    params = (input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias, recurrent_param)
+    H, P = _check_params(W, *params)
+    gated, a, mult = _gates(xc.reshape(Bsz * T, H, P), *_gate_params(params, ct, c))  # [B * T, H, P] each
+    gated_mult = (gated * mult).reshape(Bsz, T, W)  # laid out as gated: a view
+    gated, a = gated.reshape(Bsz, T, W), a.reshape(Bsz, T, W)  # [B, T, W]; a is copied (laid out head by head)
     dev = x.device
     # segments: a new one at every sequence start; the reset token is the first REAL token of each segment
     if seq_idx is None:
@@ -225,7 +301,7 @@ def rg_lru(
         reset = first_real & (seg_no > 0)
     else:  # a row whose state has read no real token yet: its first real token is a reset too
         reset = first_real & ((seg_no > 0) | ~started.to(device=dev, dtype=torch.bool)[:, None])
-    b = torch.where(reset.unsqueeze(-1), gated, gated * mult)  # [B, T, W]
+    b = torch.where(reset.unsqueeze(-1), gated, gated_mult)  # [B, T, W]
     b = torch.where(real.unsqueeze(-1), b, 0.0)
     a = torch.where(real.unsqueeze(-1), a, 1.0)
     # a reset token opens a segment of its own for the scan (no carry into it)
@@ -262,20 +338,26 @@ def rg_lru_step(
         raise ValueError(f"x must have shape [batch, width], got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(state, Tensor) or tuple(state.shape) != tuple(x.shape):
         raise ValueError(f"state must have shape [batch, width] = {tuple(x.shape)}, got {getattr(state, 'shape', None)}")
+    N, W = x.shape
+    params = (input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias, recurrent_param)
+    H, P = _check_params(W, *params)
+    if token_mask is not None and tuple(token_mask.shape) != (N,):
+        raise ValueError(f"token_mask must have shape [batch] = [{N}], got {tuple(token_mask.shape)}")
+    if started is not None and tuple(started.shape) != (N,):
+        raise ValueError(f"started must have shape [batch] = [{N}], got {tuple(started.shape)}")
     ct = torch.float64 if torch.float64 in (x.dtype, input_gate_weight.dtype, state.dtype) else torch.float32
     xc = x.to(ct)
     keep = None
     if token_mask is not None:
-        if tuple(token_mask.shape) != (x.shape[0],):
-            raise ValueError(f"token_mask must have shape [batch] = [{x.shape[0]}], got {tuple(token_mask.shape)}")
         keep = token_mask.bool()[:, None]  # [B, 1]
-        xc = torch.where(keep, xc, 0.0)
-    params = [p.to(ct) for p in (input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias,
-                                 recurrent_param)]
-    gated, a, mult = rg_lru_gates(xc, *params, c=c)  # [B, W] each
-    new = a * state.to(ct) + gated * mult
-    if started is not None:
-        new = torch.where(started.to(device=new.device, dtype=torch.bool)[:, None], new, gated)
+        xc = torch.where(keep, xc, 0.0)  # a NaN at a masked row reaches no gate (nor a gradient)
+    gated, a, mult = _gates(xc.reshape(N, H, P), *_gate_params(params, ct, c))  # [B, H, P] each
+    s = state.to(ct)
+    # laid out as gated (token by token, the first operand), so the reshape to [B, W] is a view
+    new = torch.addcmul(gated * mult, a, s.reshape(N, H, P))  # a h + sqrt(1 - a²) i x  [B, H, P]
+    if started is not None:  # a row whose state has read no real token starts from a reset: h = i x
+        new = torch.where(started.to(device=new.device, dtype=torch.bool).view(N, 1, 1), new, gated)
+    new = new.reshape(N, W)
     if keep is not None:
-        new = torch.where(keep, new, state.to(ct))
+        new = torch.where(keep, new, s)
     return new.to(x.dtype), new.to(state.dtype)

@@ -184,3 +184,27 @@ def test_nan_in_one_sequence_stays_there():
 def test_invalid_inputs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         rg_lru(_x(5), *_params(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "dtype, tol",
+    [pytest.param(torch.float64, 1e-12, id="float64"), pytest.param(torch.float32, 1e-5, id="float32"),
+     pytest.param(torch.bfloat16, 1e-5, id="bf16-float32-compute")],
+)
+def test_step_resets_unstarted_rows_and_holds_masked_ones(dtype, tol):
+    """One step of four rows: started, not started (a reset: the row's first token alone), and two masked rows
+    (NaN inputs) whose state is kept bit for bit; the state is float32 (float64 for float64), as the cache's."""
+    params = _params(dtype=dtype)
+    x = _x(1, B=4, dtype=dtype)[:, 0]  # [4, W]
+    x[2:] = torch.nan
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    state = torch.randn(4, W, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(sdt)
+    mask = torch.tensor([True, True, False, False])
+    started = torch.tensor([True, False, True, False])
+    y, new = rg_lru_step(x, state, *params, token_mask=mask, started=started)
+    assert new.dtype == sdt and y.dtype == dtype
+    for b, h0 in ((0, state[0]), (1, None)):
+        _, ref = ref_rg_lru(x[b][None], *params, h0)
+        torch.testing.assert_close(new[b].double(), ref, rtol=tol, atol=tol)
+    assert torch.equal(y[:2], new[:2].to(dtype))
+    assert torch.equal(new[2:], state[2:])
