@@ -19,23 +19,22 @@ boundary), then one carry per chunk. No division, no ``exp(-cumsum)``: it is sta
 ``[0, 1]``. ``sqrt(1 - a²)`` has its gradient clipped at 1000 as in the stock module.
 
 Both gates are one ``baddbmm`` over the heads, on the two gates' block weights stacked side by side; those, the
-biases and ``-c softplus(Λ)`` in the compute dtype are kept between calls that need no gradient of them, rebuilt
-whenever a parameter changes (:func:`_gate_params`). A decode step (:func:`rg_lru_step`) then dispatches about 20
-aten ops, each a kernel launch on CUDA, where the stock module's step dispatches 37.
+biases and ``-c softplus(Λ)`` in the compute dtype are built once per ``generate`` call (:func:`_gate_params`).
+A decode step (:func:`rg_lru_step`) then dispatches about 20 aten ops inside ``generate`` (each a kernel launch
+on CUDA), where the stock module's step dispatches 37.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._tracing import tracing
 from ..layout.boundaries import validate_seq_idx
 from .amp import fp32_core
+from .prepared import prepared
 
 logger = logging.getLogger(__name__)
 
@@ -88,51 +87,13 @@ def _prepare(input_gate_weight: Tensor, input_gate_bias: Tensor, recurrent_gate_
     return w, b, k
 
 
-#: ``id(input_gate_weight)`` -> ``(weakref to it, weakrefs to the other four, key, prepared)``: the
-#: :func:`_prepare` d gate parameters of the last call that needed no gradient of them (see :func:`_gate_params`);
-#: an entry goes with its weight
-_PREPARED: dict[int, tuple[weakref.ref, tuple[weakref.ref, ...], tuple, tuple[Tensor, Tensor, Tensor]]] = {}
-#: the tensor types whose prepared parameters are kept (a subclass, e.g. a DTensor, may have no data pointer)
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
 def _gate_params(params: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], ct: torch.dtype,
                  c: float) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_prepare` of ``params`` (``input_gate_weight, input_gate_bias, recurrent_gate_weight,
-    recurrent_gate_bias, recurrent_param``), kept between calls where no gradient of them is needed.
-
-    The prepared tensors are a function of the parameters only, so a decode step need not rebuild them (two
-    ``cat``, five casts of a half-precision model's parameters, the softplus and its scaling: per layer, per step).
-    They are reused only while every parameter is the same object at the same ``_version`` and data pointer, with
-    the same ``ct``, ``c`` and inference mode: an in-place update (an optimizer step, ``load_state_dict``,
-    ``copy_`` under ``no_grad``), a new parameter object, ``.to()`` or ``param.data = new`` rebuilds them. (A
-    write through ``param.data.copy_`` bypasses the version counter, as it bypasses autograd: do not write these
-    parameters' values through ``.data`` between calls.) Rebuilt on every call where a gradient of a parameter is
-    needed, while tracing, and for inference tensors and tensor subclasses. They cost the memory of the two gate
-    weights in ``ct`` per block, for as long as its ``input_gate_weight`` lives.
-    """
-    wi, bi, wr, br, lam = params
-    if tracing() or (torch.is_grad_enabled() and (wi.requires_grad or bi.requires_grad or wr.requires_grad
-                                                   or br.requires_grad or lam.requires_grad)):
-        return _prepare(*params, ct, c)
-    plain = _PLAIN  # (unrolled: this runs per layer per decode step)
-    if not (type(wi) in plain and type(bi) in plain and type(wr) in plain and type(br) in plain
-            and type(lam) in plain):
-        return _prepare(*params, ct, c)
-    try:
-        key = (ct, c, torch.is_inference_mode_enabled(), wi._version, wi.data_ptr(), bi._version, bi.data_ptr(),
-               wr._version, wr.data_ptr(), br._version, br.data_ptr(), lam._version, lam.data_ptr())
-    except RuntimeError:  # an inference tensor has no version counter
-        return _prepare(*params, ct, c)
-    held = _PREPARED.get(id(wi))
-    if (held is not None and held[0]() is wi and held[2] == key
-            and held[1][0]() is bi and held[1][1]() is wr and held[1][2]() is br and held[1][3]() is lam):
-        return held[3]
-    prepared = _prepare(*params, ct, c)
-    ident = id(wi)
-    _PREPARED[ident] = (weakref.ref(wi, lambda _, k=ident: _PREPARED.pop(k, None)),
-                        (weakref.ref(bi), weakref.ref(wr), weakref.ref(br), weakref.ref(lam)), key, prepared)
-    return prepared
+    recurrent_gate_bias, recurrent_param``): built once per ``generate`` call (:mod:`safepad.ops.prepared`), not
+    on every decode step (two ``cat``, five casts of a half-precision model's parameters, the softplus and its
+    scaling, per layer); built on every call outside ``generate``."""
+    return prepared(("rg_lru_gates", id(params[0])), params, (ct, c), lambda: _prepare(*params, ct, c))
 
 
 def _gates(xv: Tensor, w: Tensor, b: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:

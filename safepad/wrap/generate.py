@@ -40,6 +40,7 @@ from ..cache import (
 )
 from ..layout.masks import check_mask_values, pads_after_real
 from ..layout.slots import pads_first_order
+from ..ops.prepared import keep_prepared
 from .slot_record import _PADDED_FLAG, _RELAID_FLAG
 
 logger = logging.getLogger(__name__)
@@ -486,7 +487,8 @@ class SafepadGenerate:
         columns = _GEN_PROMPT_COLUMNS.set(_prompt_columns(args, kwargs))
         quiet = _quiet_right_padding_warning()
         try:
-            out = type(model).generate(model, *args, **kwargs)
+            with keep_prepared():  # parameter-derived values built once per call, not per step
+                out = type(model).generate(model, *args, **kwargs)
             if prompt is not None:
                 out = _with_caller_prompt(out, *prompt)
         except BaseException:

@@ -7,9 +7,12 @@ the rows' states.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
+from safepad.ops.prepared import keep_prepared
 from safepad.ops.rg_lru import rg_lru_step
 from safepad.testing.launches import count_ops
 
@@ -32,8 +35,9 @@ def _stock(dtype: torch.dtype):
 @pytest.mark.parametrize("masked", [pytest.param(False, id="generate-step"), pytest.param(True, id="pad-rows")])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bf16")])
 def test_a_step_dispatches_no_more_ops_than_the_stock_step(dtype, masked):
-    """``generate-step``: every row brings a real token (a step inside ``generate``), some rows not started;
-    ``pad-rows``: a row of pads too (a hand-written step after a padded prefill)."""
+    """``generate-step``: every row brings a real token (a step inside ``generate``, whose scope keeps the prepared
+    gate parameters: ``safepad.ops.prepared``), some rows not started; ``pad-rows``: a row of pads too (a
+    hand-written step after a padded prefill, outside any scope: the step builds them)."""
     mod = _stock(dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, 64, generator=g).to(dtype)
@@ -43,7 +47,7 @@ def test_a_step_dispatches_no_more_ops_than_the_stock_step(dtype, masked):
     kw = {"started": torch.tensor([True, False, True, True])}
     if masked:
         kw["token_mask"] = torch.tensor([True, True, False, True])
-    with torch.no_grad():
+    with torch.no_grad(), (keep_prepared() if not masked else contextlib.nullcontext()):
         rg_lru_step(x, state, *params, **kw)  # a decode step follows a prefill that read the same parameters
         ours = count_ops(lambda: rg_lru_step(x, state, *params, **kw))
         mod.recurrent_states = state.clone()

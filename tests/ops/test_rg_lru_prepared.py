@@ -1,6 +1,7 @@
 """The RG-LRU's prepared gate parameters (stacked block weights, biases, ``-c softplus(Λ)`` in the compute dtype),
-kept between calls that need no gradient of them: a changed parameter is read by the very next call, against a
-float64 token-by-token reference (``tests/ops/reference_rg_lru.py``) on the parameters' current values."""
+kept inside ``safepad.ops.prepared.keep_prepared`` (a wrapped ``generate``) between calls that need no gradient of
+them: a changed parameter is read by the very next call, against a float64 token-by-token reference
+(``tests/ops/reference_rg_lru.py``) on the parameters' current values; outside a scope nothing is kept."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from safepad.ops.prepared import keep_prepared
 from safepad.ops.rg_lru import rg_lru, rg_lru_step
 from tests.ops.reference_rg_lru import ref_rg_lru
 
@@ -107,15 +109,16 @@ DTYPES = [pytest.param(torch.float64, id="float64"), pytest.param(torch.bfloat16
 def test_a_changed_parameter_is_read_by_the_next_step(name, change, dtype):
     mod = _Rglru(dtype)
     x, state = _inputs(dtype)
-    with torch.no_grad():
-        _, before = rg_lru_step(x, state, *mod.params())  # keeps the prepared parameters
-        rg_lru_step(x, state, *mod.params())  # and reads them back
-    torch.testing.assert_close(before.double(), _ref_step(x, state, mod), **TOL[dtype])
-    change(mod, name)
-    ref = _ref_step(x, state, mod)
-    assert (before.double() - ref).abs().max() > 1e-3, "the change must move the state (else the test proves nothing)"
-    with torch.no_grad():
-        _, after = rg_lru_step(x, state, *mod.params())
+    with keep_prepared():
+        with torch.no_grad():
+            _, before = rg_lru_step(x, state, *mod.params())  # keeps the prepared parameters
+            rg_lru_step(x, state, *mod.params())  # and reads them back
+        torch.testing.assert_close(before.double(), _ref_step(x, state, mod), **TOL[dtype])
+        change(mod, name)
+        ref = _ref_step(x, state, mod)
+        assert (before.double() - ref).abs().max() > 1e-3, "the change must move the state (else the test is void)"
+        with torch.no_grad():
+            _, after = rg_lru_step(x, state, *mod.params())
     torch.testing.assert_close(after.double(), ref, **TOL[dtype])
 
 
@@ -124,7 +127,7 @@ def test_a_changed_parameter_is_read_by_the_next_scan(change):
     """The scan (a prefill) keeps the same prepared parameters: a change between two prefills is read."""
     mod = _Rglru(torch.float64)
     x = (torch.randn(B, 5, W, generator=torch.Generator().manual_seed(3)) * 1.5).double()
-    with torch.no_grad():
+    with keep_prepared(), torch.no_grad():
         rg_lru(x, *mod.params())
         change(mod, "recurrent_gate_weight")
         y = rg_lru(x, *mod.params())
@@ -138,10 +141,11 @@ def test_gradients_reach_the_parameters_after_a_no_grad_step():
     no-grad call kept them: every parameter's gradient equals the float64 reference's."""
     mod = _Rglru(torch.float64)
     x, state = _inputs(torch.float64)
-    with torch.no_grad():
-        rg_lru_step(x, state, *mod.params())
     w = torch.randn(B, W, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    _, new = rg_lru_step(x, state, *mod.params(), started=torch.tensor([True, False, True]))
+    with keep_prepared():
+        with torch.no_grad():
+            rg_lru_step(x, state, *mod.params())
+        _, new = rg_lru_step(x, state, *mod.params(), started=torch.tensor([True, False, True]))
     (new * w).sum().backward()
     got = [p.grad.clone() for p in mod.params()]
     ref_params = [p.detach().clone().requires_grad_() for p in mod.params()]
@@ -159,10 +163,11 @@ def test_an_inference_mode_step_then_a_step_with_a_gradient_of_the_input():
     reused by a grad-enabled call of frozen parameters: the input's gradient equals the reference's."""
     mod = _Rglru(torch.float64).requires_grad_(False)
     x, state = _inputs(torch.float64)
-    with torch.inference_mode():
-        rg_lru_step(x, state, *mod.params())
     xg = x.clone().requires_grad_()
-    _, new = rg_lru_step(xg, state, *mod.params())
+    with keep_prepared():
+        with torch.inference_mode():
+            rg_lru_step(x, state, *mod.params())
+        _, new = rg_lru_step(xg, state, *mod.params())
     new.sum().backward()
     xr = x.clone().requires_grad_()
     params = list(mod.params())
@@ -170,12 +175,33 @@ def test_an_inference_mode_step_then_a_step_with_a_gradient_of_the_input():
     torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_kept_parameters_do_not_keep_the_module_alive():
+def test_kept_parameters_do_not_outlive_the_scope():
+    """Inside a scope the kept values hold the parameters; once it ends, nothing does."""
     mod = _Rglru(torch.bfloat16)
     x, state = _inputs(torch.bfloat16)
-    with torch.no_grad():
+    with keep_prepared(), torch.no_grad():
         rg_lru_step(x, state, *mod.params())
     refs = [weakref.ref(p) for p in mod.params()]
     del mod
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outside_a_scope_a_write_through_data_is_read(dtype):
+    """A write through ``.data`` moves no version counter (nor the data pointer): a value kept between calls could
+    not see it. Outside a scope (a hand-written decode loop, a training step) nothing is kept, so the next step
+    reads the new values."""
+    mod = _Rglru(dtype)
+    x, state = _inputs(dtype)
+    with torch.no_grad():
+        _, before = rg_lru_step(x, state, *mod.params())
+    p = mod.recurrent_gate_weight
+    version, ptr = p._version, p.data_ptr()
+    p.data.copy_(_new_values(p))
+    assert (p._version, p.data_ptr()) == (version, ptr)  # the write is invisible to a version / pointer key
+    ref = _ref_step(x, state, mod)
+    assert (before.double() - ref).abs().max() > 1e-3, "the change must move the state (else the test is void)"
+    with torch.no_grad():
+        _, after = rg_lru_step(x, state, *mod.params())
+    torch.testing.assert_close(after.double(), ref, **TOL[dtype])

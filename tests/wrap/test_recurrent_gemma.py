@@ -379,3 +379,27 @@ def test_a_row_of_pads_only_then_decode_equals_the_row_alone(window4, positions,
         alone = stock(input_ids=seen[b][None], use_cache=False).logits[0]
         row = got[b][mask[b].bool()]
         assert (row - alone).abs().max() <= 1e-4 * alone.abs().max(), b
+
+
+@torch.no_grad()
+def test_generate_reads_gate_weights_written_through_data_between_calls():
+    """A wrapped ``generate`` builds the RG-LRU's stacked gate parameters once for its own call
+    (``safepad.ops.prepared``); a write through ``.data`` between two calls (it moves no version counter nor the
+    data pointer: an EMA update, a hand-written weight sync) is read by the next call: its logits equal the stock
+    model's with the same weights. A value kept past the call would decode the old gates."""
+    stock = tiny_model("recurrent_gemma")
+    wrapped = wrap(copy.deepcopy(stock), backend="torch")
+    ids = torch.randint(3, 250, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = {"max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True, "output_logits": True, "pad_token_id": 0}
+    before = torch.stack(wrapped.generate(input_ids=ids, **kw).logits)  # [N, B, V]
+    g = torch.Generator().manual_seed(2)
+    for model in (stock, wrapped):
+        for layer in model.model.layers:
+            rg = getattr(getattr(layer, "temporal_block", None), "rg_lru", None)
+            if rg is not None:
+                rg.recurrent_gate_weight.data.copy_(torch.randn(rg.recurrent_gate_weight.shape, generator=g) * 0.6)
+        g = torch.Generator().manual_seed(2)  # the same new values in both models
+    ref = torch.stack(stock.generate(input_ids=ids, **kw).logits)  # [N, B, V]
+    got = torch.stack(wrapped.generate(input_ids=ids, **kw).logits)
+    assert (ref - before).abs().max() > 1e-2, "the write must move the logits (else the test is void)"
+    assert (got - ref).abs().max() < 1e-4
