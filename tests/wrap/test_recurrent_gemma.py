@@ -390,7 +390,8 @@ def test_generate_reads_gate_weights_written_through_data_between_calls():
     stock = tiny_model("recurrent_gemma")
     wrapped = wrap(copy.deepcopy(stock), backend="torch")
     ids = torch.randint(3, 250, (2, 5), generator=torch.Generator().manual_seed(1))
-    kw = {"max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True, "output_logits": True, "pad_token_id": 0}
+    kw = {"max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True, "output_logits": True,
+          "pad_token_id": 0}
     before = torch.stack(wrapped.generate(input_ids=ids, **kw).logits)  # [N, B, V]
     g = torch.Generator().manual_seed(2)
     for model in (stock, wrapped):
