@@ -190,7 +190,8 @@ def cached_conv(
 def cached_conv_step(
     x: Tensor, conv: torch.nn.Conv1d, past, *, activation: str | None, backend: str
 ) -> tuple[Tensor, Tensor]:
-    """One decode token through the conv: ``x`` ``[B, D]`` -> (``y`` ``[B, D]``, new conv state ``[B, D, K]``)."""
+    """One decode token through the conv: ``x`` ``[B, D]`` or ``[B, 1, D]`` -> (``y`` shaped as ``x``, new conv
+    state ``[B, D, K]``)."""
     return causal_conv1d_step(x, past.conv, conv.weight.squeeze(1), conv.bias, activation=activation, backend=backend)
 
 
@@ -198,7 +199,9 @@ def hold_masked_rows(mask: Tensor | None, new: Tensor, old: Tensor | None) -> Te
     """Decode: rows whose token is masked (``mask`` ``[B, 1]`` False) keep their ``old`` state ``[B, ...]``."""
     if mask is None or old is None:
         return new
-    keep = mask[:, 0].view(-1, *([1] * (new.dim() - 1)))  # [B, 1, ...]
+    if mask.dim() != 2 or mask.shape[1] != 1:
+        raise ValueError(f"hold_masked_rows takes the decode step's mask [batch, 1], got {tuple(mask.shape)}")
+    keep = mask if new.dim() == 2 else mask.view(mask.shape[0], *([1] * (new.dim() - 1)))  # [B, 1, ...]
     return torch.where(keep, new, old.to(new.dtype))
 
 
