@@ -724,11 +724,9 @@ def causal_conv1d_step(
     # the chunked conv's own code on a one-token chunk whose left context is the cached state: the same sums in
     # the same order and the same SiLU, so a decode step rounds exactly as the full forward does at that token
     # (a different summation order flipped bf16 outputs by one ulp: rollout-vs-training gap in GRPO). With the
-    # cache's S == K columns, the left context is the roll's own slice (one view, not two)
-    init = None
-    if K > 1:
-        init = (older if S == K else conv_state[:, :, S - (K - 1) :]).to(ct)  # [B, D, K-1]
-    y = _conv_torch(
-        x_tok.to(ct), weight.to(ct), bias.to(ct) if bias is not None else None, None, init, activation
-    ).to(x.dtype)  # [B, 1, D]
+    # cache's S == K columns, the left context is the roll's own slice (one view, not two). The op computes in x's
+    # dtype (ct); the weight, bias and state columns go in as they are stored: its cat and multiply-adds promote
+    # them to ct exactly (a widening, the values the separate casts gave), with no cast op of their own
+    init = None if K == 1 else (older if S == K else conv_state[:, :, S - (K - 1) :])  # [B, D, K-1]
+    y = _conv_torch(x_tok.to(ct), weight, bias, None, init, activation).to(x.dtype)  # [B, 1, D]
     return (y if tokens else y[:, 0]), new_state
