@@ -41,10 +41,11 @@ def cca_projection_forward(self, hidden_states: Tensor, cache=None, conv_mask: T
     q = self.q_proj(x)  # [B, T, Hq * d]
     k = self.k_proj(x)  # [B, T, Hk * d]
     qk = torch.cat([q, k], dim=-1)  # [B, T, C]
-    q_res = q.view(B, T, -1, d)  # [B, T, Hq, d]
-    k_res = k.view(B, T, -1, d).repeat_interleave(self.num_key_value_groups, dim=2)  # [B, T, Hq, d]
-    q_res = (q_res + k_res) * 0.5
-    k_res = q_res.view(B, T, -1, self.num_key_value_groups, d).mean(dim=-2)  # [B, T, Hk, d]
+    g = self.num_key_value_groups
+    # each query head plus its key head, broadcast over the head group (the values of repeat_interleave, not a copy)
+    qk_res = (q.view(B, T, -1, g, d) + k.view(B, T, -1, 1, d)) * 0.5  # [B, T, Hk, g, d]
+    q_res = qk_res.view(B, T, -1, d)  # [B, T, Hq, d]
+    k_res = qk_res.mean(dim=-2)  # [B, T, Hk, d]
 
     convs = [(c.weight, c.bias, c.groups) for c in (self.conv_qk_depthwise, self.conv_qk_grouped)]
     out = causal_conv_stack(
