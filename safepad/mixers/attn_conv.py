@@ -85,7 +85,7 @@ def attention_conv_forward(
             "the cache, or compile model.forward only (docs/limits.md, check D6)",
         )
     if mask is not None:
-        x = x * mask[..., None].to(x.dtype)  # pads contribute nothing
+        x = x * mask[..., None]  # pads contribute nothing (bool mask: promoted inside the one multiply)
     past = read_states(cache, layer, state_idx=self.conv_idx, recurrent=False)
     K = self.conv_kernel_size
     want_state = cache is not None
@@ -100,9 +100,8 @@ def attention_conv_forward(
         scale = 1.0 / math.sqrt(2 * K + 1)
     else:
         if past.has_previous and x.shape[1] == 1:
-            y, state = cached_conv_step(x[:, 0], self.conv1d, past, activation=None, backend=backend)  # [B, D], [B,D,K]
+            y, state = cached_conv_step(x, self.conv1d, past, activation=None, backend=backend)  # [B, 1, D], [B,D,K]
             state = hold_masked_rows(mask, state, past.conv)
-            y = y[:, None]  # [B, 1, D]
         else:
             y, state = cached_conv(
                 x, self.conv1d, layout, past, activation=None, want_state=want_state, backend=backend
@@ -114,5 +113,7 @@ def attention_conv_forward(
             cache, layer, tokens=x.shape[1], conv=state.to(torch.float32), state_idx=self.conv_idx, inputs=x,
             token_mask=mask,
         )
-    out = (y.float() + x) * scale  # [B, T, D]
+    out = y.float() + x  # [B, T, D]
+    if scale != 1.0:  # (Inkling's scale is 1: no multiply)
+        out = out * scale
     return layout.restore(out.to(input_dtype))

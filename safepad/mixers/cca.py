@@ -33,7 +33,7 @@ def cca_projection_forward(self, hidden_states: Tensor, cache=None, conv_mask: T
     x, layout = prepare_layout(self, hidden_states, conv_mask, cache, kwargs)
     mask = layout.mask
     if mask is not None:
-        x = x * mask[..., None].to(x.dtype)  # pads contribute nothing
+        x = x * mask[..., None]  # pads contribute nothing (bool mask: promoted inside the one multiply)
     B, T = x.shape[:2]
     d = self.head_dim
     past = read_states(cache, self.layer_idx)
@@ -41,10 +41,11 @@ def cca_projection_forward(self, hidden_states: Tensor, cache=None, conv_mask: T
     q = self.q_proj(x)  # [B, T, Hq * d]
     k = self.k_proj(x)  # [B, T, Hk * d]
     qk = torch.cat([q, k], dim=-1)  # [B, T, C]
-    q_res = q.view(B, T, -1, d)  # [B, T, Hq, d]
-    k_res = k.view(B, T, -1, d).repeat_interleave(self.num_key_value_groups, dim=2)  # [B, T, Hq, d]
-    q_res = (q_res + k_res) * 0.5
-    k_res = q_res.view(B, T, -1, self.num_key_value_groups, d).mean(dim=-2)  # [B, T, Hk, d]
+    g = self.num_key_value_groups
+    # each query head plus its key head, broadcast over the head group (the values of repeat_interleave, not a copy)
+    qk_res = (q.view(B, T, -1, g, d) + k.view(B, T, -1, 1, d)) * 0.5  # [B, T, Hk, g, d]
+    q_res = qk_res.view(B, T, -1, d)  # [B, T, Hq, d]
+    k_res = qk_res.mean(dim=-2)  # [B, T, Hk, d]
 
     convs = [(c.weight, c.bias, c.groups) for c in (self.conv_qk_depthwise, self.conv_qk_grouped)]
     out = causal_conv_stack(
@@ -58,20 +59,28 @@ def cca_projection_forward(self, hidden_states: Tensor, cache=None, conv_mask: T
 
     v_cur = self.v_proj_current(x)  # [B, T, Hk * d / 2]
     v_del = self.v_proj_delayed(x)  # [B, T, Hk * d / 2]
-    start = self.v_proj_delayed(x.new_zeros(B, 1, x.shape[-1]))  # [B, 1, Hk * d / 2]: "no previous token"
-    first = start if past.recurrent is None else past.recurrent[:, None].to(v_del.dtype)
-    shifted = torch.cat([first, v_del[:, :-1]], dim=1)  # [B, T, Hk * d / 2]
-    if layout.seq_idx is not None and T > 1:
+    restarts = layout.seq_idx is not None and T > 1
+    start = None
+    if past.recurrent is None or restarts:  # "no previous token": only where some sequence starts
+        start = self.v_proj_delayed(x.new_zeros(B, 1, x.shape[-1]))  # [B, 1, Hk * d / 2]
+    first = start if past.recurrent is None else past.recurrent[:, None].to(v_del.dtype)  # [B, 1, Hk * d / 2]
+    shifted = first if T == 1 else torch.cat([first, v_del[:, :-1]], dim=1)  # [B, T, Hk * d / 2]
+    if restarts:
         new_seq = torch.zeros(B, T, dtype=torch.bool, device=x.device)
         new_seq[:, 1:] = layout.seq_idx[:, 1:] != layout.seq_idx[:, :-1]  # [B, T] first token of a later sequence
         shifted = torch.where(new_seq[..., None], start.expand_as(shifted), shifted)
     value = torch.cat([v_cur, shifted], dim=-1).view(B, T, -1, d)  # [B, T, Hk, d]
 
-    if cache is not None:
+    if cache is not None and T == 1:  # a decode step: its token's, or the held one where the token is masked
+        v_last = v_del[:, 0]  # [B, Hk * d / 2]
+        if past.recurrent is not None and mask is not None:
+            v_last = torch.where(mask, v_last, past.recurrent.to(v_last.dtype))  # mask [B, 1]
+    elif cache is not None:
         n = mask.sum(1) if mask is not None else torch.full((B,), T, device=x.device)  # [B] real tokens per row
         last = (n - 1).clamp(min=0).long()  # [B]
         v_last = v_del.gather(1, last.view(B, 1, 1).expand(B, 1, v_del.shape[-1]))[:, 0]  # [B, Hk * d / 2]
         if past.recurrent is not None:
-            v_last = torch.where((n > 0)[:, None], v_last, past.recurrent.to(v_last.dtype))  # masked decode: hold
+            v_last = torch.where((n > 0)[:, None], v_last, past.recurrent.to(v_last.dtype))  # masked rows: hold
+    if cache is not None:
         write_states(cache, self.layer_idx, tokens=T, conv=conv_state, recurrent=v_last)
     return layout.restore(query), layout.restore(key), layout.restore(value)

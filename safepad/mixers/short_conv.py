@@ -50,11 +50,10 @@ def short_conv_mixer_forward(
     past = read_states(cache, self.layer_idx, recurrent=False)
 
     if past.has_previous and T == 1:
-        y, conv_new = cached_conv_step(u[:, 0], conv, past, activation=activation, backend=backend)  # [B, D], [B, D, K]
+        y, conv_new = cached_conv_step(u, conv, past, activation=activation, backend=backend)  # [B, 1, D], [B, D, K]
         write_states(
             cache, self.layer_idx, tokens=1, conv=hold_masked_rows(mask, conv_new, past.conv), inputs=u, token_mask=mask
         )
-        y = y[:, None]  # [B, 1, D]
     else:
         y, conv_final = cached_conv(
             u, conv, layout, past, activation=activation, want_state=cache is not None, backend=backend

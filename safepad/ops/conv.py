@@ -653,16 +653,21 @@ def causal_conv1d_step(
     """One decode step.
 
     Args:
-        x: ``[B, D]`` the new input; conv_state: ``[B, D, S]`` (``S >= (K - 1) * dilation``, oldest first).
+        x: ``[B, D]`` the new input, or ``[B, 1, D]`` (a one-token chunk, as a mixer holds it: ``y`` then comes
+            back ``[B, 1, D]`` too, with no view ops to drop and restore the token dim);
+            conv_state: ``[B, D, S]`` (``S >= (K - 1) * dilation``, oldest first).
         weight: ``[D, K]``; bias: ``[D]`` | None; dilation: tap spacing (see :func:`causal_conv1d`).
 
     Returns:
-        ``(y [B, D], new_state [B, D, S])``: ``new_state`` is ``conv_state`` rolled left by one with ``x``
-        appended (a new tensor; ``conv_state`` is not modified).
+        ``(y [B, D] | [B, 1, D], new_state [B, D, S])``: ``new_state`` is ``conv_state`` rolled left by one with
+        ``x`` appended (a new tensor; ``conv_state`` is not modified).
     """
-    if not isinstance(x, Tensor) or x.dim() != 2:
-        raise ValueError(f"x must have shape [batch, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    Bsz, D = x.shape
+    tokens = isinstance(x, Tensor) and x.dim() == 3 and x.shape[1] == 1  # [B, 1, D]
+    if not isinstance(x, Tensor) or not (x.dim() == 2 or tokens):
+        raise ValueError(
+            f"x must have shape [batch, dim] or [batch, 1, dim], got {getattr(x, 'shape', type(x).__name__)}"
+        )
+    Bsz, D = x.shape[0], x.shape[-1]
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] != D:
         raise ValueError(f"weight must have shape [dim, width] = [{D}, K], got {tuple(weight.shape)}")
     weight = _dilated(weight, dilation)  # [D, (K - 1) d + 1]
@@ -695,11 +700,12 @@ def causal_conv1d_step(
     if fla_ok and kernels.use_kernels(x, conv_state, weight, need=("fla_causal_conv1d_update",), backend=backend):
         # FLA's update reads a cache of exactly K columns (column 0 unused) and writes it shifted in place: a copy
         # of the last K - 1 columns goes in; the new state is the exact shift, as on the torch core
+        x2 = x[:, 0] if tokens else x  # [B, D]
         cache = torch.cat([conv_state.new_zeros(Bsz, D, 1), conv_state[:, :, S - (K - 1) :]], dim=2)
         b = bias.float() if bias is not None else None
-        y, _ = kernels.fla_causal_conv1d_update(x, cache, weight=weight.float(), bias=b, activation=activation)
-        new_state = torch.cat([conv_state[:, :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=2)  # [B, D, S]
-        return y, new_state
+        y, _ = kernels.fla_causal_conv1d_update(x2, cache, weight=weight.float(), bias=b, activation=activation)
+        new_state = torch.cat([conv_state[:, :, 1:], x2.unsqueeze(-1).to(conv_state.dtype)], dim=2)  # [B, D, S]
+        return (y.unsqueeze(1) if tokens else y), new_state
     if backend == "kernels" and not expressible:
         raise ValueError(
             "backend='kernels': causal_conv1d_update needs conv_state with S >= K columns, a width K of 2..4, one "
@@ -707,16 +713,20 @@ def causal_conv1d_step(
             f"activation None, 'silu' or 'swish' (got {activation!r}); use backend='auto' otherwise"
         )
     if expressible and kernels.use_kernels(x, conv_state, weight, need=("causal_conv1d_update",), backend=backend):
+        x2 = x[:, 0] if tokens else x  # [B, D]
         new_state = conv_state.clone()
-        y = kernels.causal_conv1d_update(x, new_state, weight, bias, activation=activation)  # updates new_state
-        return y, new_state
-    new_state = torch.cat([conv_state[:, :, 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=2)  # [B, D, S]
+        y = kernels.causal_conv1d_update(x2, new_state, weight, bias, activation=activation)  # updates new_state
+        return (y.unsqueeze(1) if tokens else y), new_state
+    x_tok = x if tokens else x.unsqueeze(1)  # [B, 1, D]
+    older = conv_state[:, :, 1:]  # [B, D, S - 1]: the columns the roll keeps
+    new_state = torch.cat([older, x_tok.transpose(1, 2).to(conv_state.dtype)], dim=2)  # [B, D, S]
     ct = _compute_dtype(x.dtype, weight.dtype, conv_state.dtype)
     # the chunked conv's own code on a one-token chunk whose left context is the cached state: the same sums in
     # the same order and the same SiLU, so a decode step rounds exactly as the full forward does at that token
-    # (a different summation order flipped bf16 outputs by one ulp: rollout-vs-training gap in GRPO)
-    init = conv_state[:, :, S - (K - 1) :].to(ct) if K > 1 else None  # [B, D, K-1]
-    y = _conv_torch(
-        x.unsqueeze(1).to(ct), weight.to(ct), bias.to(ct) if bias is not None else None, None, init, activation
-    )  # [B, 1, D]
-    return y[:, 0].to(x.dtype), new_state
+    # (a different summation order flipped bf16 outputs by one ulp: rollout-vs-training gap in GRPO). With the
+    # cache's S == K columns, the left context is the roll's own slice (one view, not two). The op computes in x's
+    # dtype (ct); the weight, bias and state columns go in as they are stored: its cat and multiply-adds promote
+    # them to ct exactly (a widening, the values the separate casts gave), with no cast op of their own
+    init = None if K == 1 else (older if S == K else conv_state[:, :, S - (K - 1) :])  # [B, D, K-1]
+    y = _conv_torch(x_tok.to(ct), weight, bias, None, init, activation).to(x.dtype)  # [B, 1, D]
+    return (y if tokens else y[:, 0]), new_state

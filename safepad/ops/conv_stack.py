@@ -62,11 +62,13 @@ def causal_conv_stack(
         if tuple(token_mask.shape) != (B, T):
             raise ValueError(f"token_mask must have shape [B, T] = [{B}, {T}], got {tuple(token_mask.shape)}")
         token_mask = token_mask.to(torch.bool)
-        msg = "token_mask must be right-padded (real tokens first); compact left pads / holes first"
-        if T > 1:  # one token is right-padded as it is (and a decode step reads nothing on the host)
-            require(~pads_before_real(token_mask).any(), msg)  # on the device under torch.compile
-        x = x * token_mask[..., None].to(x.dtype)
     prev = x.new_zeros(B, C, Kc) if initial_state is None else initial_state.to(x.dtype)
+    if T == 1:
+        return _one_token(x, layers, prev, token_mask, return_final_state)
+    if token_mask is not None:
+        msg = "token_mask must be right-padded (real tokens first); compact left pads / holes first"
+        require(~pads_before_real(token_mask).any(), msg)  # on the device under torch.compile
+        x = x * token_mask[..., None]  # (bool: promoted inside the one multiply)
     ctx = torch.cat([prev, x.transpose(1, 2)], dim=-1)  # [B, C, Kc + T]
     W = Kc + 1
     win = ctx.unfold(-1, W, 1)  # [B, C, T, W]
@@ -84,3 +86,25 @@ def causal_conv_stack(
     n = token_mask.sum(1) if token_mask is not None else torch.full((B,), T, device=x.device)  # [B]
     idx = (n[:, None] + torch.arange(Kc, device=x.device)[None]).long()  # [B, Kc]: the last Kc real ctx columns
     return y, ctx.gather(-1, idx[:, None, :].expand(B, C, Kc))
+
+
+def _one_token(
+    x: Tensor, layers: Sequence[tuple[Tensor, Tensor | None, int]], prev: Tensor, token_mask: Tensor | None,
+    return_final_state: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`causal_conv_stack` of one token (a decode step): its window is ``[prev || x]`` itself, so the convs run
+    on it as it is (no unfold / re-lay), and the new state is that window without its oldest column; a masked token
+    (``token_mask`` ``[B, 1]`` False) leaves its row's state as it was (its output is unspecified, as at any pad, and
+    one seq_idx cannot hold a boundary). ``x`` ``[B, 1, C]``, ``prev`` ``[B, C, Kc]``."""
+    B, _, C = x.shape
+    ctx = torch.cat([prev, x.transpose(1, 2)], dim=-1)  # [B, C, Kc + 1]: the token's whole window
+    h = ctx
+    for weight, bias, groups in layers:
+        h = F.conv1d(h, weight.to(h.dtype), None if bias is None else bias.to(h.dtype), groups=groups)
+    y = h.view(B, 1, C)  # [B, C, 1] -> [B, 1, C]
+    if not return_final_state:
+        return y
+    state = ctx[:, :, 1:]  # [B, C, Kc]
+    if token_mask is not None:
+        state = torch.where(token_mask.view(B, 1, 1), state, prev)  # a masked token is not part of the state
+    return y, state

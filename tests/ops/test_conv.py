@@ -155,6 +155,41 @@ def test_decode_step_rounds_as_the_full_conv(dtype, activation):
     assert differ == 0, f"{differ} of {steps.numel()} decode outputs differ from the full conv's"
 
 
+@pytest.mark.parametrize(
+    "dtype,activation,K,S",
+    [
+        pytest.param(torch.float32, "silu", 4, 4, id="fp32-silu-S=K"),
+        pytest.param(torch.bfloat16, "silu", 4, 4, id="bf16-silu-S=K"),
+        pytest.param(torch.bfloat16, None, 3, 5, id="bf16-linear-S>K"),
+        pytest.param(torch.float32, None, 4, 3, id="fp32-linear-S=K-1"),
+    ],
+)
+def test_step_takes_a_one_token_chunk(dtype, activation, K, S):
+    """``x [B, 1, D]`` (the token as a mixer holds it) gives ``y [B, 1, D]``: bitwise the ``[B, D]`` step's output
+    and state, and bitwise the full conv's output at each decoded token."""
+    g = torch.Generator().manual_seed(1)
+    B, T, D, prefix = 3, 12, 64, 5  # D a multiple of the vector width: no scalar tail (as above)
+    x = (torch.randn(B, T, D, generator=g) * 3).to(dtype)
+    w, b = torch.randn(D, K, generator=g).to(dtype), torch.randn(D, generator=g).to(dtype)
+    y_full = causal_conv1d(x, w, b, activation=activation)  # [B, T, D]
+    _, state = causal_conv1d(x[:, :prefix], w, b, activation=activation, return_final_state=True, state_len=S)
+    for i in range(prefix, T):
+        y3, s3 = causal_conv1d_step(x[:, i : i + 1], state, w, b, activation=activation)  # [B, 1, D], [B, D, S]
+        y2, s2 = causal_conv1d_step(x[:, i], state, w, b, activation=activation)  # [B, D]
+        assert y3.shape == (B, 1, D) and y3.dtype == dtype
+        assert torch.equal(y3[:, 0], y2) and torch.equal(s3, s2)
+        assert torch.equal(y3[:, 0], y_full[:, i]), f"token {i}: the one-token chunk's step differs from the full conv"
+        state = s3
+    _, fin = causal_conv1d(x, w, b, return_final_state=True, state_len=S)
+    assert torch.equal(state, fin)
+
+
+def test_step_refuses_a_chunk_of_several_tokens():
+    t = make(2, 3, 4, 4, seed=4)
+    with pytest.raises(ValueError, match=r"\[batch, 1, dim\]"):
+        causal_conv1d_step(t["x"][:, :2], t["init"], t["w"], t["b"])
+
+
 def test_step_is_out_of_place():
     t = make(2, 1, 4, 4, seed=4)
     s0 = t["init"].clone()

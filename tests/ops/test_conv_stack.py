@@ -63,6 +63,30 @@ def test_right_padded_rows_with_a_cache_then_decode_steps():
         assert torch.allclose(torch.cat(outs, 1)[b], ref, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float64, id="fp64"), pytest.param(torch.float32, id="fp32")])
+def test_masked_decode_step_holds_the_row_and_real_rows_equal_the_reference(dtype):
+    """One token with a ``[B, 1]`` mask (a decode step where some rows' token is a pad): real rows' outputs and states
+    equal the float64 reference of each row grown by its token; a masked row's state is its old state, bitwise."""
+    layers = [(w.to(dtype), b.to(dtype), g) for w, b, g in _layers(8)]
+    init = torch.randn(3, C, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    x = _x(3, 1, seed=10)
+    mask = torch.tensor([[True], [False], [True]])
+    y, state = causal_conv_stack(
+        x.to(dtype), layers, initial_state=init.to(dtype), token_mask=mask, return_final_state=True
+    )  # [3, 1, C], [3, C, 3]
+    ry, rstate = ref_conv_stack(x, _layers(8), [[1], [1], [1]], initial_state=init)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for b in (0, 2):
+        assert torch.allclose(y[b].double(), ry[b], atol=tol) and torch.allclose(state[b].double(), rstate[b], atol=tol)
+    assert torch.equal(state[1], init[1].to(dtype))
+    # the one-token path returns what the same token gets as the last column of a longer chunk (float64)
+    x2 = torch.cat([_x(3, 2, seed=11), x], dim=1)  # [3, 3, C]
+    y2 = causal_conv_stack(x2, _layers(8), initial_state=init)
+    _, mid = causal_conv_stack(x2[:, :2], _layers(8), initial_state=init, return_final_state=True)
+    y1 = causal_conv_stack(x2[:, 2:], _layers(8), initial_state=mid)
+    assert torch.allclose(y1, y2[:, 2:], atol=1e-12)
+
+
 def test_float32_gradients_match_float64():
     layers32 = [(w.float().requires_grad_(True), b.float().requires_grad_(True), g) for w, b, g in _layers(6)]
     x = _x(2, 9, seed=7, dtype=torch.float32).requires_grad_(True)
