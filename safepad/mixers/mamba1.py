@@ -244,7 +244,7 @@ def _decode_step(self, hidden_states: Tensor, mask: Tensor | None, cache, past, 
     dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, R], [B, N], [B, N]
     dt, delta_bias = _dt(self, dt_low)  # [B, I]
     y, ssm_new = selective_state_step(
-        past.recurrent, xc, dt, A, Bm, Cm, D=self.D.float(), z=gate, delta_bias=delta_bias, delta_softplus=True,
+        past.recurrent, xc, dt, A, Bm, Cm, D=self.D, z=gate, delta_bias=delta_bias, delta_softplus=True,
         token_mask=mask,  # [B, 1]: a masked decode token leaves its row's state
         backend=backend,
     )  # [B, I], [B, I, N]

@@ -39,7 +39,7 @@ from safepad.layout.boundaries import known_multi_sequence, validate_seq_idx
 from safepad.layout.facts import fact
 from safepad.ops import kernels
 from safepad.ops.amp import fp32_core
-from safepad.ops.dt import process_dt
+from safepad.ops.dt import process_dt, widens_into
 from safepad.ops.finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
@@ -256,8 +256,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 def _gate(y: Tensor, u: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
     """``(y + D u) * silu(z)`` in the compute dtype of ``y``; ``[..., Dm]``."""
-    if D is not None:
-        y = y + u.to(y.dtype) * D.to(y.dtype)
+    if D is not None:  # a narrower D (a bf16 parameter) is widened exactly inside the multiply, without a copy
+        y = y + u.to(y.dtype) * (D if D.dtype in widens_into(y.dtype) else D.to(y.dtype))
     if z is not None:
         y = y * F.silu(z.to(y.dtype))
     return y
@@ -567,7 +567,8 @@ def selective_state_step(
         raise ValueError("backend='kernels' cannot run a float64 decode step; use backend='auto'")
     uc = u.to(cdt)
     dA = torch.exp(dt.unsqueeze(-1) * A.to(cdt))  # [B, Dm, N]
-    dBu = (dt * uc).unsqueeze(-1) * B.to(cdt).unsqueeze(1)  # [B, Dm, 1] * [B, 1, N] -> [B, Dm, N]
+    Bw = B if B.dtype in widens_into(cdt) else B.to(cdt)  # widened exactly inside the multiply
+    dBu = (dt * uc).unsqueeze(-1) * Bw.unsqueeze(1)  # [B, Dm, 1] * [B, 1, N] -> [B, Dm, N]
     new_state = torch.addcmul(dBu, dA, state.to(cdt))  # dA * state + dBu [B, Dm, N], as the scan's first token
     y = torch.bmm(new_state, C.to(cdt).unsqueeze(-1)).squeeze(-1)  # [B, Dm, N] @ [B, N, 1] -> [B, Dm]
     y = _gate(y, uc, D, z).to(u.dtype)

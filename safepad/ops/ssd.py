@@ -32,7 +32,7 @@ from safepad.layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 from . import kernels
 from .amp import fp32_core
 from .conv import check_backend
-from .dt import process_dt, validate_dt_limit
+from .dt import process_dt, validate_dt_limit, widens_into
 from .finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
@@ -246,6 +246,13 @@ def _intra_chunk_backward(ctx, gy):
 
 
 _intra_chunk.register_autograd(_intra_chunk_backward, setup_context=_intra_chunk_setup)
+
+
+def _widened(t: Tensor, ct: torch.dtype) -> Tensor:
+    """``t`` for an op computing in ``ct`` (float32 or float64): as it is when it is a float type no wider than
+    ``ct`` (type promotion then computes in ``ct``, widening it exactly as the op reads it: the same values as
+    ``t.to(ct)`` without a copy), else ``t.to(ct)``."""
+    return t if t.dtype in widens_into(ct) else t.to(ct)
 
 
 def _d_scale(D: Tensor, x: Tensor) -> Tensor:
@@ -1003,13 +1010,14 @@ def ssd_step(
     s = state.to(ct)  # [B, H, P, N]
     if G > 1:
         s = s.view(*lead, P, N)  # [B, G, k, P, N]
-    decay = torch.exp(dtp * A.to(ct)[:, None]).view(*lead, 1, 1)  # [B, H, 1, 1] | [B, G, k, 1, 1]
-    xdt = (x.to(ct) * dtp).view(*lead, P, 1)  # [B, H, P, 1] | [B, G, k, P, 1]
+    decay = torch.exp(dtp * _widened(A, ct)[:, None]).view(*lead, 1, 1)  # [B, H, 1, 1] | [B, G, k, 1, 1]
+    xdt = (_widened(x, ct) * dtp).view(*lead, P, 1)  # [B, H, P, 1] | [B, G, k, P, 1]
     group = (Bsz, G, 1, 1, N) if G > 1 else (Bsz, 1, 1, N)
-    new = torch.addcmul(decay * s, xdt, B.to(ct).view(group))  # decay * s + x dt B^T  [B, (G, k | H), P, N]
-    y = (new * C.to(ct).view(group)).sum(-1)  # [B, (G, k | H), P]
+    new = torch.addcmul(decay * s, xdt, _widened(B, ct).view(group))  # decay * s + x dt B^T  [B, (G, k | H), P, N]
+    y = (new * _widened(C, ct).view(group)).sum(-1)  # [B, (G, k | H), P]
     if G > 1:
         y, new = y.view(Bsz, H, P), new.view(Bsz, H, P, N)
     if D is not None:
-        y = torch.addcmul(y, x.to(ct), _d_scale(D.to(ct), x))  # y + D x  [B, H, P]
+        D = _widened(D, ct)
+        y = torch.addcmul(y, _widened(x, ct), D[:, None] if D.dim() == 1 else D)  # y + D x  [B, H, P]
     return y.to(x.dtype), new
