@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache import read_states, write_states
+from ..cache import is_recording, read_states, write_states
 from ..layout.facts import record
 from ..ops.selective_scan import selective_scan, selective_state_step
-from .common import cached_conv, layout_op, cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, cached_conv_step, hold_masked_rows, layout_op, pop_cache, prepare_layout
 from .history import state_history, states_to_keep
 
 __all__ = ["mamba1_mixer_forward"]
@@ -164,79 +164,98 @@ def mamba1_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     backend = self._safepad.backend
     cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
-    T = hidden_states.shape[1]
+    Bsz, T = hidden_states.shape[:2]
     dtype = hidden_states.dtype
     mask = layout.mask
     I = self.intermediate_size  # intermediate size
+    past = read_states(cache, self.layer_idx)
+    if not opts.get("heads") and past.has_previous and T == 1:
+        out = _decode_step(self, hidden_states[:, 0], mask, cache, past, backend)  # [B, hidden]
+        return layout.restore(out.view(Bsz, 1, -1))  # [B, 1, hidden]
 
     if mask is not None:
         hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
     projected = self.in_proj(hidden_states)  # [B, T, 2I]
     if opts.get("heads"):
         x, gate = projected.unflatten(-1, (I, 2)).unbind(-1)  # interleaved [x_0, z_0, x_1, z_1, ...] -> [B, T, I] x2
-        past = read_states(cache, self.layer_idx)
         y = _multi_head_forward(self, x, gate, layout, cache, past, backend)  # [B, T, I]
         return layout.restore(self.out_proj(y.to(dtype)))
     x, gate = projected.split([I, I], dim=-1)  # [B, T, I], [B, T, I]
 
     A = record(-torch.exp(self.A_log.float()), nonpositive=True)  # [I, N]; -exp(.) <= 0: no sign check needed
     D = self.D.float()  # [I]
-    past = read_states(cache, self.layer_idx)
+    want_state = cache is not None
+    xc, conv_final = cached_conv(
+        x, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
+    )  # [B, T, I], [B, I, K]
+    dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, T, R], [B, T, N], [B, T, N]
+    dt, delta_bias = _dt(self, dt_low)  # [B, T, I]
 
-    if past.has_previous and T == 1:
-        # decode: one token per row, continuing from the cache
-        xc, conv_new = cached_conv_step(x[:, 0], self.conv1d, past, activation=self.activation, backend=backend)
-        dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, R], [B, N], [B, N]
-        dt, delta_bias = _dt(self, dt_low)  # [B, I]
-        y, ssm_new = selective_state_step(
-            past.recurrent, xc, dt, A, Bm, Cm, D=D, z=gate[:, 0], delta_bias=delta_bias, delta_softplus=True,
-            token_mask=None if mask is None else mask[:, 0],  # a masked decode token leaves its row's state
+    def scan(token_mask: Tensor | None, final_state: bool):
+        return layout_op(layout, selective_scan)(
+            xc,
+            dt,
+            A,
+            Bm,
+            Cm,
+            D=D,
+            z=gate,
+            delta_bias=delta_bias,
+            delta_softplus=True,
+            seq_idx=layout.seq_idx,
+            initial_state=past.recurrent,
+            token_mask=token_mask,
+            return_final_state=final_state,
             backend=backend,
-        )  # [B, I], [B, I, N]
-        write_states(
-            cache,
-            self.layer_idx,
-            tokens=1,
-            conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
-            recurrent=ssm_new,  # held in selective_state_step (token_mask): no pass over the state here
-            inputs=x,  # kept by a cache that records its past (assisted generation)
-            token_mask=mask,
         )
-        y = y[:, None]  # [B, 1, I]
-    else:
-        want_state = cache is not None
-        xc, conv_final = cached_conv(
-            x, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
-        )  # [B, T, I], [B, I, K]
-        dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, T, R], [B, T, N], [B, T, N]
-        dt, delta_bias = _dt(self, dt_low)  # [B, T, I]
 
-        def scan(token_mask: Tensor | None, final_state: bool):
-            return layout_op(layout, selective_scan)(
-                xc,
-                dt,
-                A,
-                Bm,
-                Cm,
-                D=D,
-                z=gate,
-                delta_bias=delta_bias,
-                delta_softplus=True,
-                seq_idx=layout.seq_idx,
-                initial_state=past.recurrent,
-                token_mask=token_mask,
-                return_final_state=final_state,
-                backend=backend,
-            )
-
-        scan_out = scan(mask, want_state)
-        y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, I], [B, I, N]
-        if want_state:
-            keep = states_to_keep(cache, self.layer_idx, T)
-            ssm_final = state_history(layout, T, keep, ssm_final, lambda m: scan(m, True)[1])
-            write_states(
-                cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=ssm_final, inputs=x, token_mask=mask
-            )
+    scan_out = scan(mask, want_state)
+    y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, I], [B, I, N]
+    if want_state:
+        keep = states_to_keep(cache, self.layer_idx, T)
+        ssm_final = state_history(layout, T, keep, ssm_final, lambda m: scan(m, True)[1])
+        write_states(
+            cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=ssm_final, inputs=x, token_mask=mask
+        )
 
     out = self.out_proj(y.to(dtype))  # [B, T, hidden]
     return layout.restore(out)
+
+
+def _decode_step(self, hidden_states: Tensor, mask: Tensor | None, cache, past, backend: str) -> Tensor:
+    """One cached decode token per row, on ``[B, ...]`` tensors without the token axis (a linear layer on a 2-D
+    input is one matmul, without the views a ``[B, 1, ...]`` input takes).
+
+    Args:
+        hidden_states: ``[B, hidden]``; mask: ``[B, 1]`` bool (False: the row's token is a pad, which leaves its
+            states untouched) or None; past: the layer's cached states.
+
+    Returns:
+        ``[B, hidden]`` in the dtype of ``hidden_states``.
+    """
+    opts = self._safepad_spec.options
+    I = self.intermediate_size  # intermediate size
+    dtype = hidden_states.dtype
+    if mask is not None:
+        hidden_states = torch.where(mask, hidden_states, 0.0)  # [B, hidden]: pads contribute nothing (even a NaN)
+    x, gate = self.in_proj(hidden_states).split([I, I], dim=-1)  # [B, I], [B, I]
+    A = record(-torch.exp(self.A_log.float()), nonpositive=True)  # [I, N]; -exp(.) <= 0: no sign check needed
+    xc, conv_new = cached_conv_step(x, self.conv1d, past, activation=self.activation, backend=backend)
+    dt_low, Bm, Cm = _split_xproj(self, xc, opts)  # [B, R], [B, N], [B, N]
+    dt, delta_bias = _dt(self, dt_low)  # [B, I]
+    y, ssm_new = selective_state_step(
+        past.recurrent, xc, dt, A, Bm, Cm, D=self.D, z=gate, delta_bias=delta_bias, delta_softplus=True,
+        token_mask=mask,  # [B, 1]: a masked decode token leaves its row's state
+        backend=backend,
+    )  # [B, I], [B, I, N]
+    write_states(
+        cache,
+        self.layer_idx,
+        tokens=1,
+        conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
+        recurrent=ssm_new,  # held in selective_state_step (token_mask): no pass over the state here
+        # the conv inputs [B, 1, I], kept only by a cache that records its past (assisted generation)
+        inputs=x[:, None] if is_recording(cache, self.layer_idx) else None,
+        token_mask=mask,
+    )
+    return self.out_proj(y.to(dtype))  # [B, hidden]

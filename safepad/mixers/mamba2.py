@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..cache import read_states, write_states
+from ..cache import is_recording, read_states, write_states
 from ..ops.precision import recurrence_input
 from ..ops.ssd import ssd_scan, ssd_step
-from .common import cached_conv, layout_op, cached_conv_step, gated_norm, hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv, cached_conv_step, gated_norm, hold_masked_rows, layout_op, pop_cache, prepare_layout
 from .history import state_history, states_to_keep
 
 __all__ = ["mamba2_mixer_forward"]
@@ -53,90 +53,130 @@ def mamba2_mixer_forward(self, hidden_states: Tensor, cache_params=None, attenti
     cache = pop_cache(cache_params, kwargs)
     hidden_states, layout = prepare_layout(self, hidden_states, attention_mask, cache, kwargs)
     Bsz, T, _ = hidden_states.shape
-    dtype = hidden_states.dtype
     mask = layout.mask
+    past = read_states(cache, self.layer_idx)
+    if past.has_previous and T == 1:
+        out = _decode_step(self, hidden_states[:, 0], mask, cache, past, backend)  # [B, hidden]
+        return layout.restore(out.view(Bsz, 1, -1))  # [B, 1, hidden]
+
     H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
     I = H * P  # noqa: E741 - intermediate size
-    conv_dim = self.conv_dim
-
     if mask is not None:
         hidden_states = torch.where(mask[..., None], hidden_states, 0.0)  # pads contribute nothing (even a NaN)
-    if opts.get("in_multiplier"):
-        hidden_states = hidden_states * getattr(self, opts["in_multiplier"])
-    projected = self.in_proj(hidden_states)  # [B, T, I + conv_dim + H]
-    if opts.get("proj_multiplier"):
-        projected = projected * getattr(self, opts["proj_multiplier"])
-    gate, xBC, dt = projected.split([I, conv_dim, H], dim=-1)  # [B,T,I], [B,T,conv_dim], [B,T,H]
-
+    gate, xBC, dt = _project(self, hidden_states, opts)  # [B,T,I], [B,T,conv_dim], [B,T,H]
     A = -torch.exp(self.A_log.float())  # [H]
-    past = read_states(cache, self.layer_idx)
+    want_state = cache is not None
+    conv_in = xBC
+    xBC, conv_final = cached_conv(
+        xBC, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
+    )  # [B, T, conv_dim], [B, conv_dim, K]
+    x, Bm, Cm = _scan_inputs(xBC).split([I, G * N, G * N], dim=-1)
 
-    if past.has_previous and T == 1:
-        # decode: one token per row, continuing from the cache
-        xBC_t, conv_new = cached_conv_step(xBC[:, 0], self.conv1d, past, activation=self.activation, backend=backend)
-        x, Bm, Cm = _scan_inputs(xBC_t).split([I, G * N, G * N], dim=-1)  # [B, I], [B, G*N], [B, G*N]
-        y, ssm_new = ssd_step(
-            past.recurrent,
-            x.reshape(Bsz, H, P),  # [B, H, P]
-            dt[:, 0],  # [B, H]
+    def scan(token_mask: Tensor | None, final_state: bool):
+        return layout_op(layout, ssd_scan)(
+            x.reshape(Bsz, T, H, P),  # [B, T, H, P]
+            dt,  # [B, T, H]
             A,
-            Bm.reshape(Bsz, G, N),  # [B, G, N]
-            Cm.reshape(Bsz, G, N),  # [B, G, N]
+            Bm.reshape(Bsz, T, G, N),  # [B, T, G, N]
+            Cm.reshape(Bsz, T, G, N),  # [B, T, G, N]
+            chunk_size=self.chunk_size,
             D=self.D,
             dt_bias=self.dt_bias,
             dt_limit=tuple(self.time_step_limit),
-            token_mask=None if mask is None else mask[:, 0],  # a masked decode token leaves its row's state
+            seq_idx=layout.seq_idx,
+            initial_state=past.recurrent,
+            token_mask=token_mask,
+            return_final_state=final_state,
             backend=backend,
-        )  # [B, H, P], [B, H, P, N]
-        write_states(
-            cache,
-            self.layer_idx,
-            tokens=1,
-            conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
-            recurrent=ssm_new,  # held in ssd_step (token_mask): no pass over the state here
-            inputs=xBC,  # kept by a cache that records its past (assisted generation)
-            token_mask=mask,
         )
-        y = y.reshape(Bsz, 1, I)  # [B, 1, I]
-    else:
-        want_state = cache is not None
-        conv_in = xBC
-        xBC, conv_final = cached_conv(
-            xBC, self.conv1d, layout, past, activation=self.activation, want_state=want_state, backend=backend
-        )  # [B, T, conv_dim], [B, conv_dim, K]
-        x, Bm, Cm = _scan_inputs(xBC).split([I, G * N, G * N], dim=-1)
 
-        def scan(token_mask: Tensor | None, final_state: bool):
-            return layout_op(layout, ssd_scan)(
-                x.reshape(Bsz, T, H, P),  # [B, T, H, P]
-                dt,  # [B, T, H]
-                A,
-                Bm.reshape(Bsz, T, G, N),  # [B, T, G, N]
-                Cm.reshape(Bsz, T, G, N),  # [B, T, G, N]
-                chunk_size=self.chunk_size,
-                D=self.D,
-                dt_bias=self.dt_bias,
-                dt_limit=tuple(self.time_step_limit),
-                seq_idx=layout.seq_idx,
-                initial_state=past.recurrent,
-                token_mask=token_mask,
-                return_final_state=final_state,
-                backend=backend,
-            )
+    scan_out = scan(mask, want_state)
+    y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, H, P], [B, H, P, N]
+    if want_state:
+        keep = states_to_keep(cache, self.layer_idx, T)
+        ssm_final = state_history(layout, T, keep, ssm_final, lambda m: scan(m, True)[1])
+        write_states(
+            cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=ssm_final, inputs=conv_in, token_mask=mask
+        )
+    out = _gate_out(self, y.reshape(Bsz, T, I), gate, opts, hidden_states.dtype)  # [B, T, hidden]
+    return layout.restore(out)
 
-        scan_out = scan(mask, want_state)
-        y, ssm_final = scan_out if want_state else (scan_out, None)  # [B, T, H, P], [B, H, P, N]
-        if want_state:
-            keep = states_to_keep(cache, self.layer_idx, T)
-            ssm_final = state_history(layout, T, keep, ssm_final, lambda m: scan(m, True)[1])
-            write_states(
-                cache, self.layer_idx, tokens=T, conv=conv_final, recurrent=ssm_final, inputs=conv_in, token_mask=mask
-            )
-        y = y.reshape(Bsz, T, I)  # [B, T, I]
 
+def _project(self, hidden_states: Tensor, opts: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """``in_proj`` (with Falcon-H1's multipliers): ``[..., hidden]`` -> gate ``[..., I]``, xBC ``[..., conv_dim]``,
+    raw dt ``[..., H]``."""
+    if opts.get("in_multiplier"):
+        hidden_states = _scale(hidden_states, getattr(self, opts["in_multiplier"]))
+    projected = self.in_proj(hidden_states)  # [..., I + conv_dim + H]
+    if opts.get("proj_multiplier"):
+        projected = _scale(projected, getattr(self, opts["proj_multiplier"]))
+    return projected.split([self.num_heads * self.head_dim, self.conv_dim, self.num_heads], dim=-1)
+
+
+def _scale(t: Tensor, multiplier) -> Tensor:
+    """``t * multiplier`` (a number or a tensor broadcast against ``t`` ``[..., D]``), keeping ``t``'s rank: a
+    multiplier with more, leading size-1 dims (Falcon-H1's ``mup_vector`` ``[1, 1, D]`` against a decode step's
+    ``[B, D]``) is viewed down to it."""
+    if isinstance(multiplier, Tensor) and multiplier.dim() > t.dim():
+        lead = multiplier.shape[: multiplier.dim() - t.dim()]
+        if all(n == 1 for n in lead):
+            multiplier = multiplier.view(multiplier.shape[len(lead) :])
+    return t * multiplier
+
+
+def _gate_out(self, y: Tensor, gate: Tensor, opts: dict, dtype: torch.dtype) -> Tensor:
+    """The gated norm of the SSD output ``y`` ``[..., I]`` (SSD precision) by ``gate`` ``[..., I]``, then
+    ``out_proj``: ``[..., hidden]`` in ``dtype``."""
     if opts.get("optional_norm_attr") and not getattr(self, opts["optional_norm_attr"]):
         y = y * F.silu(gate.float()).to(y.dtype)  # Falcon-H1 without mamba_rms_norm: plain SiLU gate
     else:
         y = gated_norm(self.norm, y, gate, opts.get("gated_norm"))
-    out = self.out_proj(y.to(dtype))  # [B, T, hidden]
-    return layout.restore(out)
+    return self.out_proj(y.to(dtype))
+
+
+def _decode_step(self, hidden_states: Tensor, mask: Tensor | None, cache, past, backend: str) -> Tensor:
+    """One cached decode token per row, on ``[B, ...]`` tensors without the token axis (a linear layer on a 2-D
+    input is one matmul, without the views a ``[B, 1, ...]`` input takes).
+
+    Args:
+        hidden_states: ``[B, hidden]``; mask: ``[B, 1]`` bool (False: the row's token is a pad, which leaves its
+            states untouched) or None; past: the layer's cached states.
+
+    Returns:
+        ``[B, hidden]`` in the dtype of ``hidden_states``.
+    """
+    opts = self._safepad_spec.options
+    Bsz = hidden_states.shape[0]
+    H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size
+    I = H * P  # noqa: E741 - intermediate size
+    dtype = hidden_states.dtype
+    if mask is not None:
+        hidden_states = torch.where(mask, hidden_states, 0.0)  # [B, hidden]: pads contribute nothing (even a NaN)
+    gate, xBC, dt = _project(self, hidden_states, opts)  # [B, I], [B, conv_dim], [B, H]
+    A = -torch.exp(self.A_log.float())  # [H]
+    xBC_t, conv_new = cached_conv_step(xBC, self.conv1d, past, activation=self.activation, backend=backend)
+    x, Bm, Cm = _scan_inputs(xBC_t).split([I, G * N, G * N], dim=-1)  # [B, I], [B, G*N], [B, G*N]
+    y, ssm_new = ssd_step(
+        past.recurrent,
+        x.view(Bsz, H, P),  # [B, H, P]
+        dt,  # [B, H]
+        A,
+        Bm.view(Bsz, G, N),  # [B, G, N]
+        Cm.view(Bsz, G, N),  # [B, G, N]
+        D=self.D,
+        dt_bias=self.dt_bias,
+        dt_limit=tuple(self.time_step_limit),
+        token_mask=mask,  # [B, 1]: a masked decode token leaves its row's state
+        backend=backend,
+    )  # [B, H, P], [B, H, P, N]
+    write_states(
+        cache,
+        self.layer_idx,
+        tokens=1,
+        conv=hold_masked_rows(mask, conv_new, past.conv),  # a masked decode token leaves its row untouched
+        recurrent=ssm_new,  # held in ssd_step (token_mask): no pass over the state here
+        # the conv inputs [B, 1, conv_dim], kept only by a cache that records its past (assisted generation)
+        inputs=xBC[:, None] if is_recording(cache, self.layer_idx) else None,
+        token_mask=mask,
+    )
+    return _gate_out(self, y.view(Bsz, I), gate, opts, dtype)  # [B, hidden]

@@ -13,7 +13,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["process_dt", "validate_dt_limit"]
+__all__ = ["process_dt", "validate_dt_limit", "widens_into"]
+
+
+_WIDENS_INTO: dict[torch.dtype, frozenset[torch.dtype]] = {
+    torch.float32: frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    torch.float64: frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+}
+
+
+def widens_into(ct: torch.dtype) -> frozenset[torch.dtype]:
+    """The float dtypes that type promotion against ``ct`` (float32 or float64) turns into ``ct`` exactly: an
+    elementwise op computing in ``ct`` may read them as they are, without a ``.to(ct)`` copy first (a host-side
+    lookup: ``torch.promote_types`` would be a dispatched op)."""
+    return _WIDENS_INTO.get(ct, frozenset({ct}))
 
 
 def validate_dt_limit(dt_limit: tuple[float, float], name: str = "dt_limit") -> tuple[float, float]:
@@ -52,7 +65,8 @@ def process_dt(
     if dt_bias is not None:
         if dt_bias.shape != (dt.shape[-1],):
             raise ValueError(f"dt_bias must have shape [H] = [{dt.shape[-1]}], got {tuple(dt_bias.shape)}")
-        out = out + dt_bias.to(out.dtype)
+        # a narrower bias (bf16 parameters) is widened exactly inside the add: the same sum without a cast's copy
+        out = out + (dt_bias if dt_bias.dtype in widens_into(out.dtype) else dt_bias.to(out.dtype))
     if dt_softplus:
         out = F.softplus(out)
     apply_lo = math.isfinite(lo) and (lo > 0.0 or not dt_softplus)

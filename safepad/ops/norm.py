@@ -142,8 +142,9 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps
     I = y.shape[-1]  # noqa: E741
     if tuple(weight.shape) != (I,) or group_size <= 0 or I % group_size:
         raise ValueError(f"weight must be [{I}] and group_size must divide {I}, got {tuple(weight.shape)}, {group_size}")
-    lead = y.shape[:-1]
     if tracing():
         return _gated_rms_norm_traced(y, gate, weight, int(group_size), float(eps))
+    if y.dim() == 2:  # [R, I] already (a decode step's rows): no reshapes
+        return _gated_rms_norm_op(y, gate, weight, int(group_size), float(eps))[0]
     out, _ = _gated_rms_norm_op(y.reshape(-1, I), gate.reshape(-1, I), weight, int(group_size), float(eps))
-    return out.view(*lead, I)
+    return out.view(*y.shape[:-1], I)

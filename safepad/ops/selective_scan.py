@@ -39,7 +39,7 @@ from safepad.layout.boundaries import known_multi_sequence, validate_seq_idx
 from safepad.layout.facts import fact
 from safepad.ops import kernels
 from safepad.ops.amp import fp32_core
-from safepad.ops.dt import process_dt
+from safepad.ops.dt import process_dt, widens_into
 from safepad.ops.finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
@@ -256,8 +256,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 def _gate(y: Tensor, u: Tensor, D: Tensor | None, z: Tensor | None) -> Tensor:
     """``(y + D u) * silu(z)`` in the compute dtype of ``y``; ``[..., Dm]``."""
-    if D is not None:
-        y = y + u.to(y.dtype) * D.to(y.dtype)
+    if D is not None:  # a narrower D (a bf16 parameter) is widened exactly inside the multiply, without a copy
+        y = y + u.to(y.dtype) * (D if D.dtype in widens_into(y.dtype) else D.to(y.dtype))
     if z is not None:
         y = y * F.silu(z.to(y.dtype))
     return y
@@ -518,9 +518,9 @@ def selective_state_step(
         state: ``[B, Dm, N]``.
         u, delta, z: ``[B, Dm]`` (``delta`` raw; same pipeline as :func:`selective_scan`).
         A: ``[Dm, N]``; B, C: ``[B, N]``; D, delta_bias: ``[Dm]`` or None.
-        token_mask: ``[B]`` bool or None. A row whose token is masked (False) keeps its state exactly (its ``y``
-            is not meaningful): its processed ``delta``, ``u`` and ``B`` are zeroed (a NaN there never reaches the
-            state), so ``exp(0 * A) = 1`` and the input term is 0.
+        token_mask: ``[B]`` (or a decode step's ``[B, 1]``) bool or None. A row whose token is masked (False) keeps
+            its state exactly (its ``y`` is not meaningful): its processed ``delta``, ``u`` and ``B`` are selected to
+            0 (a NaN there never reaches the state), so ``exp(0 * A) = 1`` and the input term is 0.
 
     Returns:
         ``(y [B, Dm] in u.dtype, new_state [B, Dm, N] fp32)`` (fp64 when ``u`` is fp64); ``state`` is
@@ -549,10 +549,12 @@ def selective_state_step(
     cdt = _compute_dtype(u)
     dt = process_dt(delta, delta_bias, _NO_LIMIT, delta_softplus).to(cdt)  # [B, Dm]
     if token_mask is not None:
-        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) != (Bsz,):
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) not in ((Bsz,), (Bsz, 1)):
             got = getattr(token_mask, "shape", token_mask)
-            raise ValueError(f"token_mask must have shape [B] = [{Bsz}], got {got}")
-        keep = token_mask.to(torch.bool)[:, None]  # [B, 1]
+            raise ValueError(f"token_mask must have shape [B] = [{Bsz}] (or [B, 1]), got {got}")
+        keep = token_mask.to(torch.bool)
+        keep = keep if keep.dim() == 2 else keep[:, None]  # [B, 1]
+        # select, not multiply: a NaN in a masked row's dt, u or B must not reach its state (0 * NaN is NaN)
         dt, u, B = torch.where(keep, dt, 0.0), torch.where(keep, u, 0.0), torch.where(keep, B, 0.0)
     if cdt == torch.float32 and kernels.use_kernels(
         state, u, dt, A, B, C, need=("selective_state_update",), backend=backend
@@ -565,8 +567,9 @@ def selective_state_step(
         raise ValueError("backend='kernels' cannot run a float64 decode step; use backend='auto'")
     uc = u.to(cdt)
     dA = torch.exp(dt.unsqueeze(-1) * A.to(cdt))  # [B, Dm, N]
-    dBu = (dt * uc).unsqueeze(-1) * B.to(cdt).unsqueeze(1)  # [B, Dm, 1] * [B, 1, N] -> [B, Dm, N]
-    new_state = state.to(cdt) * dA + dBu  # [B, Dm, N]
-    y = torch.matmul(new_state, C.to(cdt).unsqueeze(-1)).squeeze(-1)  # [B, Dm, N] @ [B, N, 1] -> [B, Dm]
+    Bw = B if B.dtype in widens_into(cdt) else B.to(cdt)  # widened exactly inside the multiply
+    dBu = (dt * uc).unsqueeze(-1) * Bw.unsqueeze(1)  # [B, Dm, 1] * [B, 1, N] -> [B, Dm, N]
+    new_state = torch.addcmul(dBu, dA, state.to(cdt))  # dA * state + dBu [B, Dm, N], as the scan's first token
+    y = torch.bmm(new_state, C.to(cdt).unsqueeze(-1)).squeeze(-1)  # [B, Dm, N] @ [B, N, 1] -> [B, Dm]
     y = _gate(y, uc, D, z).to(u.dtype)
     return y, new_state

@@ -32,7 +32,7 @@ from safepad.layout.boundaries import cu_seqlens_from_seq_idx, validate_seq_idx
 from . import kernels
 from .amp import fp32_core
 from .conv import check_backend
-from .dt import process_dt, validate_dt_limit
+from .dt import process_dt, validate_dt_limit, widens_into
 from .finite import isolate_nonfinite, poison, poison_rows
 
 logger = logging.getLogger(__name__)
@@ -246,6 +246,13 @@ def _intra_chunk_backward(ctx, gy):
 
 
 _intra_chunk.register_autograd(_intra_chunk_backward, setup_context=_intra_chunk_setup)
+
+
+def _widened(t: Tensor, ct: torch.dtype) -> Tensor:
+    """``t`` for an op computing in ``ct`` (float32 or float64): as it is when it is a float type no wider than
+    ``ct`` (type promotion then computes in ``ct``, widening it exactly as the op reads it: the same values as
+    ``t.to(ct)`` without a copy), else ``t.to(ct)``."""
+    return t if t.dtype in widens_into(ct) else t.to(ct)
 
 
 def _d_scale(D: Tensor, x: Tensor) -> Tensor:
@@ -941,10 +948,10 @@ def ssd_step(
 
     Args:
         state: ``[B, H, P, N]``; x: ``[B, H, P]``; dt: ``[B, H]`` raw; A: ``[H]``; B, C: ``[B, G, N]``.
-        token_mask: ``[B]`` bool or None. A row whose token is masked (False) keeps its state exactly (its
-            ``y`` is not meaningful): its processed ``dt`` and its ``x`` and ``B`` are zeroed (a NaN there never
-            reaches the state), so the decay is ``exp(0) = 1`` and the input term 0, with no pass over the
-            ``[B, H, P, N]`` state beyond the update itself.
+        token_mask: ``[B]`` (or a decode step's ``[B, 1]``) bool or None. A row whose token is masked (False)
+            keeps its state exactly (its ``y`` is not meaningful): its processed ``dt`` and its ``x`` and ``B`` are
+            selected to 0 (a NaN there never reaches the state), so the decay is ``exp(0) = 1`` and the input term
+            0, with no pass over the ``[B, H, P, N]`` state beyond the update itself.
 
     Returns:
         ``(y [B, H, P] (dtype of x), new_state [B, H, P, N] float32)`` (float64 when ``x`` is float64);
@@ -967,13 +974,16 @@ def ssd_step(
         _check("dt_bias", dt_bias, (H,), "[H]")
     check_backend(backend)
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dtp = process_dt(dt, dt_bias, dt_limit, dt_softplus).to(ct)  # [B, H]
+    dtp = process_dt(dt, dt_bias, dt_limit, dt_softplus).to(ct).unsqueeze(-1)  # [B, H, 1]
     if token_mask is not None:
-        _check("token_mask", token_mask, (Bsz,), "[batch]")
-        keep = token_mask.to(torch.bool)
-        dtp = torch.where(keep[:, None], dtp, 0.0)  # after the limits: a clamp would move 0 off 0
-        x = torch.where(keep[:, None, None], x, 0.0)  # [B, H, P]
-        B = torch.where(keep[:, None, None], B, 0.0)  # [B, G, N]
+        if not isinstance(token_mask, Tensor) or tuple(token_mask.shape) not in ((Bsz,), (Bsz, 1)):
+            raise ValueError(f"token_mask must have shape [batch] = [{Bsz}] (or [batch, 1]), got {_shape(token_mask)}")
+        keep = token_mask.to(torch.bool).view(Bsz, 1, 1)  # [B, 1, 1], broadcast against dt, x and B
+        # select, not multiply: a NaN in a masked row's dt, x or B must not reach its state (0 * NaN is NaN).
+        # All three: dt = 0 makes the decay exp(0) = 1, x = 0 and B = 0 make the input term x dt B^T zero.
+        dtp = torch.where(keep, dtp, 0.0)  # after the limits: a clamp would move 0 off 0
+        x = torch.where(keep, x, 0.0)  # [B, H, P]
+        B = torch.where(keep, B, 0.0)  # [B, G, N]
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (state, x, dt, A, B, C, D, dt_bias)
     )
@@ -986,18 +996,28 @@ def ssd_step(
     if expressible and kernels.use_kernels(state, x, need=("selective_state_update",), backend=backend):
         new_state = state.float().clone()  # the kernel updates in place
         A_k = A.float()[:, None, None].expand(H, P, N)  # [H, P, N] (tied over P, N)
-        dt_k = dtp[:, :, None].expand(Bsz, H, P)  # [B, H, P]
+        dt_k = dtp.expand(Bsz, H, P)  # [B, H, P]
         D_k = None
         if D is not None:
             D_k = D[:, None].expand(H, P) if D.dim() == 1 else D  # [H, P]
         y = kernels.state_update(new_state, x, dt_k, A_k, B, C, D=D_k)
         return y.to(x.dtype), new_state
+    # torch core. Heads share B, C in G groups of k = H / G heads: with G > 1 the per-head tensors are viewed as
+    # [B, G, k, ...] against B, C [B, G, 1, 1, N]; with G = 1 they broadcast as they are ([B, H, ...] against
+    # [B, 1, 1, N]), without those views.
     k = H // G
-    s = state.to(ct).view(Bsz, G, k, P, N)  # [B, G, k, P, N]
-    decay = torch.exp(dtp * A.to(ct)).view(Bsz, G, k, 1, 1)  # [B, G, k, 1, 1]
-    xdt = (x.to(ct) * dtp.unsqueeze(-1)).view(Bsz, G, k, P, 1)  # [B, G, k, P, 1]
-    new = decay * s + xdt * B.to(ct).view(Bsz, G, 1, 1, N)  # [B, G, k, P, N]
-    y = (new * C.to(ct).view(Bsz, G, 1, 1, N)).sum(-1).reshape(Bsz, H, P)  # [B, H, P]
+    lead = (Bsz, G, k) if G > 1 else (Bsz, H)  # the per-head leading dims
+    s = state.to(ct)  # [B, H, P, N]
+    if G > 1:
+        s = s.view(*lead, P, N)  # [B, G, k, P, N]
+    decay = torch.exp(dtp * _widened(A, ct)[:, None]).view(*lead, 1, 1)  # [B, H, 1, 1] | [B, G, k, 1, 1]
+    xdt = (_widened(x, ct) * dtp).view(*lead, P, 1)  # [B, H, P, 1] | [B, G, k, P, 1]
+    group = (Bsz, G, 1, 1, N) if G > 1 else (Bsz, 1, 1, N)
+    new = torch.addcmul(decay * s, xdt, _widened(B, ct).view(group))  # decay * s + x dt B^T  [B, (G, k | H), P, N]
+    y = (new * _widened(C, ct).view(group)).sum(-1)  # [B, (G, k | H), P]
+    if G > 1:
+        y, new = y.view(Bsz, H, P), new.view(Bsz, H, P, N)
     if D is not None:
-        y = y + x.to(ct) * _d_scale(D.to(ct), x)
-    return y.to(x.dtype), new.reshape(Bsz, H, P, N)
+        D = _widened(D, ct)
+        y = torch.addcmul(y, _widened(x, ct), D[:, None] if D.dim() == 1 else D)  # y + D x  [B, H, P]
+    return y.to(x.dtype), new

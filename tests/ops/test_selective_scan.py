@@ -249,6 +249,29 @@ def test_step_token_mask_keeps_masked_rows_bitwise():
         selective_state_step(state, *args, token_mask=keep[:2], **kw)
 
 
+@pytest.mark.parametrize("poisoned", ["u", "delta", "B"])
+def test_step_token_mask_holds_a_nan_in_any_input_and_takes_a_column_mask(poisoned):
+    """A masked row keeps its state bitwise whichever of its inputs (u, raw delta, B) holds a NaN; a decode step's
+    ``[B, 1]`` mask means the same as ``[B]``; the kept rows equal the unmasked step."""
+    x = make_inputs(3, 2, h0=True, seed=43)
+    _, state = scan({k: (v[:, :1] if k in ("u", "delta", "B", "C", "z") else v) for k, v in x.items()},
+                    return_final_state=True)
+    step = {k: x[k][:, 1].clone() for k in ("u", "delta", "B", "C", "z")}
+    step[poisoned][1] = float("nan")
+    args = (step["u"], step["delta"], x["A"], step["B"], step["C"])
+    kw = {"D": x["D"], "z": step["z"], "delta_bias": x["delta_bias"]}
+    keep = torch.tensor([True, False, True])
+    y, s1 = selective_state_step(state, *args, token_mask=keep, **kw)
+    y_col, s_col = selective_state_step(state, *args, token_mask=keep[:, None], **kw)
+    y_ref, s_ref = selective_state_step(state, *args, **kw)
+    assert torch.equal(s1[1], state[1]) and not state[1].isnan().any()
+    assert torch.equal(s_col, s1) and torch.equal(y_col, y)
+    assert torch.equal(s1[keep], s_ref[keep]) and torch.equal(y[keep], y_ref[keep])
+    assert s_ref[1].isnan().any()  # without the mask the NaN reaches the state
+    with pytest.raises(ValueError, match="token_mask"):
+        selective_state_step(state, *args, token_mask=keep[None, :], **kw)
+
+
 MASKS = [
     pytest.param([[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8], id="left-pad"),
     pytest.param([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]], id="right-pad"),

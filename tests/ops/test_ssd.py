@@ -186,6 +186,33 @@ def test_step_token_mask_keeps_masked_rows_bitwise(dt_limit, dtype):
         ssd_step(t["initial_state"], *args, token_mask=keep[:2], **kw)
 
 
+@pytest.mark.parametrize("poisoned", ["x", "dt", "B"])
+@pytest.mark.parametrize("G", [1, 2])
+def test_step_token_mask_holds_a_nan_in_any_input_and_takes_a_column_mask(G, poisoned):
+    """A masked row keeps its state bitwise whichever of its inputs (x, raw dt, B) holds a NaN (each is selected
+    away, not multiplied by 0); a decode step's ``[B, 1]`` mask means the same as ``[B]``; the kept rows equal
+    the unmasked step."""
+    t = make(3, 1, G, seed=7)
+    inp = {"x": t["x"][:, 0].clone(), "dt": t["dt"][:, 0].clone(), "B": t["B"][:, 0].clone()}
+    inp[poisoned][1] = float("nan")
+    kw = {"D": t["D"], "dt_bias": t["dt_bias"], "dt_limit": (0.05, INF)}
+
+    def step(token_mask):
+        return ssd_step(t["initial_state"], inp["x"], inp["dt"], t["A"], inp["B"], t["C"][:, 0], token_mask=token_mask,
+                        **kw)
+
+    keep = torch.tensor([True, False, True])
+    y, s1 = step(keep)
+    y_col, s_col = step(keep[:, None])
+    y_ref, s_ref = step(None)
+    assert torch.equal(s1[1], t["initial_state"][1])
+    assert torch.equal(s_col, s1) and torch.equal(y_col, y)
+    assert torch.equal(s1[keep], s_ref[keep]) and torch.equal(y[keep], y_ref[keep])
+    assert s_ref[1].isnan().any()  # without the mask the NaN reaches the state
+    with pytest.raises(ValueError, match="token_mask"):
+        step(keep[None, :])
+
+
 PAD_LAYOUTS = [
     pytest.param([(0, 9), (3, 2), (0, 12)], id="left-pads"),
     pytest.param([(9, 0), (2, 3), (12, 0)], id="right-pads"),
