@@ -46,7 +46,7 @@ def normalize_mask(attention_mask: Tensor | None, shape: tuple[int, int], name: 
             f"{name} has shape {tuple(attention_mask.shape)} but the input has [batch, seqlen] = [{B}, {T}]: "
             "pass a [batch, seqlen] mask (or the full-length mask of the cached context plus the new tokens)"
         )
-    mask = attention_mask[:, -T:].to(torch.bool)  # [B, T]
+    mask = (attention_mask if attention_mask.shape[1] == T else attention_mask[:, -T:]).to(torch.bool)  # [B, T]
     if tracing() or T == 1:
         # no host sync (under compile, and on every one-token decode step, which a CUDA graph may capture): an
         # all-ones mask stays a mask (every token real, the same result)

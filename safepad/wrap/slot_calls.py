@@ -178,8 +178,8 @@ def slot_justify(
     for check in plan.slot_checks:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, flagged if step else not bool(call.mask.all()), restore=generating is None)
-    if step and not real_step:  # (generate's own step adds no pad slot: the cache keeps the count it had)
-        record.pads = call.pads()  # [B]
+    if step and not real_step:  # (generate's own step adds no pad slot: the cache keeps what it had)
+        record.pads = call.mask  # [B, L + 1] bool, the cache's slots after the step (False: a pad): no count made
     record.cache = cache
     module._safepad.slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
@@ -250,11 +250,13 @@ def slot_justify(
 
 
 def _holds_step_pads(cache) -> bool:
-    """Does ``cache`` hold pad slots that an eager decode step put there (one host read; a call without a mask)?"""
+    """Does ``cache`` hold pad slots that a decode step put there (one host read; a call without a mask)? The
+    record (:data:`~safepad.wrap.slot_record._PADS_ATTR`) is an eager step's justified mask ``[B, N]`` bool, or a
+    traced call's pad count per row ``[B]`` long."""
     pads = getattr(cache, _PADS_ATTR, None)
     if not isinstance(pads, torch.Tensor):
         return False
-    if bool(pads.any()):
+    if bool((~pads).any() if pads.dtype == torch.bool else pads.any()):
         return True
     cache.__dict__.pop(_PADS_ATTR, None)  # none: a call without a mask adds none either, read no more
     return False
