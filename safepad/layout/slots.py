@@ -245,7 +245,8 @@ class SlotJustifiedCall:
     """One model call's re-layout (see the module docstring): reorder inputs, rewrite the mask, re-lay the cache.
 
     Args:
-        full_mask: ``[B, L + T]`` bool attention mask of the cached slots plus the current tokens.
+        full_mask: ``[B, L + T]`` bool attention mask of the cached slots plus the current tokens (a one-token
+            step's may be the caller's integer 0 / 1 mask: it is only summed and sliced).
         past_len: ``L``, the slots the cache already holds (0 without a cache).
         past_slots: ``[B, L]`` bool, which cached slots hold real tokens, where the cache rows are laid out as the
             caller's mask says (a cache no call has re-laid: after a one-token step with a pad, a row is
