@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 #: one family per kind of attention cache a step re-lays: plain keys (conv / Mamba2 / delta-rule hybrids), DSA
 #: indexer keys
 FAMILIES = ("lfm2", "nemotron_h", "qwen3_next", "glm5_next")
-#: float32 against float32: the batched and the alone runs differ by reduction order only (measured <= 1e-6)
+#: float32 against float32: the batched and the alone runs differ by reduction order only (measured <= 2.5e-6)
 TOL = 1e-4
 
 
