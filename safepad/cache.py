@@ -228,7 +228,7 @@ def write_states(
             )
         _record_conv_history(cache, layer_idx, state_idx, conv, inputs, token_mask)
         conv = None
-    if conv is not None:
+    if conv is not None and not _copy_conv_state(cache, layer_idx, state_idx, conv):
         cache.update_conv_state(conv, layer_idx, state_idx=state_idx, conv_kernel_size=conv.shape[-1])
         counted = conv.shape[-1]
     if recurrent is not None:
@@ -236,6 +236,36 @@ def write_states(
     _count_tokens(cache, layer_idx, state_idx, tokens, counted)
     if before is not None and isinstance(tokens, int):
         _remember_count(cache.layers[layer_idx], before + tokens)
+
+
+#: transformers' own ``update_conv_state`` of a cache and of a linear-attention layer (None before 5.x's layers)
+_CACHE_CONV_UPDATE = getattr(getattr(_cache_utils, "Cache", None), "update_conv_state", None)
+_LAYER_CONV_UPDATE = getattr(getattr(_cache_utils, "LinearAttentionLayer", None), "update_conv_state", None)
+
+
+def _copy_conv_state(cache, layer_idx: int, state_idx: int, conv: Tensor) -> bool:
+    """Store a continuation's conv state ``conv`` ``[B, D, K]`` by one copy into the layer's own buffer; True when
+    done. transformers' ``update_conv_state`` leaves there the last K columns of ``[old ‖ conv]``, which are
+    ``conv`` itself, through a concatenation, a slice and a copy (and adds K to the layer's count, which
+    :func:`_count_tokens` then corrects to the call's tokens): the copy is the same write, the count grows by the
+    tokens at once. Only where both ``update_conv_state`` methods are transformers' own, on a layer that holds a
+    state of this shape from an earlier call and keeps no past record (assisted generation); False otherwise (the
+    caller goes through ``update_conv_state``: a first write, a subclass, older transformers)."""
+    if _LAYER_CONV_UPDATE is None or getattr(type(cache), "update_conv_state", None) is not _CACHE_CONV_UPDATE:
+        return False
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if layer is None or getattr(type(layer), "update_conv_state", None) is not _LAYER_CONV_UPDATE:
+        return False
+    try:
+        held = layer.has_previous_state[state_idx] and not layer.record_past
+        state, width = layer.conv_states[state_idx], layer.conv_kernel_size[state_idx]
+    except (AttributeError, IndexError, KeyError, TypeError):  # a layer of another layout
+        return False
+    if not held or not isinstance(state, Tensor) or state.shape != conv.shape or width != conv.shape[-1]:
+        return False
+    state.copy_(conv)
+    return True
 
 
 def _count_before(cache, layer_idx: int) -> int | None:

@@ -246,3 +246,30 @@ def test_generate_refuses_a_recurrent_cache_of_unknown_history(family):
     wrapped(input_ids=first.sequences[:, -1:], use_cache=True, **{name: cache})  # advanced outside generate
     with pytest.raises(ValueError, match="return_dict_in_generate=True"):
         _rows_generate(wrapped, first.sequences, cache)
+
+
+@pytest.mark.skipif(not _layers_count_tokens(), reason="transformers < 5.25: linear layers keep no token count")
+@pytest.mark.parametrize("tokens", [pytest.param(1, id="decode-step"), pytest.param(5, id="chunk")])
+def test_a_continuation_conv_write_is_one_copy_with_update_conv_state_s_result(tokens):
+    """A continuation's conv state written through ``write_states`` leaves the layer exactly as transformers'
+    ``update_conv_state`` (the last K columns of ``[old ‖ conv]``, i.e. ``conv``) plus the token count growing
+    by the call's tokens, with one copy into the layer's buffer (its static address kept) and one count add: no
+    concatenation, no slice."""
+    from safepad.cache import write_states
+    from safepad.testing.launches import count_ops
+
+    model = tiny_model("lfm2")
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    idx = next(i for i, layer in enumerate(cache.layers) if getattr(layer, "has_previous_state", {}).get(0))
+    layer = cache.layers[idx]
+    conv = torch.randn(layer.conv_states[0].shape, generator=torch.Generator().manual_seed(1))  # [B, D, K]
+    ref = copy.deepcopy(cache)
+    ref.update_conv_state(conv, idx, state_idx=0, conv_kernel_size=conv.shape[-1])  # stock's write
+    ref.layers[idx].cumulative_length_linear.add_(tokens - conv.shape[-1])  # stock counts the call's tokens
+    buffer = layer.conv_states[0]
+    _, _, ops = count_ops(lambda: write_states(cache, idx, tokens=tokens, conv=conv))
+    assert layer.conv_states[0] is buffer and torch.equal(buffer, ref.layers[idx].conv_states[0])
+    assert int(layer.cumulative_length_linear) == int(ref.layers[idx].cumulative_length_linear)
+    assert dict(ops) == {"aten.copy_": 1, "aten.add_": 1}, ops

@@ -46,7 +46,7 @@ def normalize_mask(attention_mask: Tensor | None, shape: tuple[int, int], name: 
             f"{name} has shape {tuple(attention_mask.shape)} but the input has [batch, seqlen] = [{B}, {T}]: "
             "pass a [batch, seqlen] mask (or the full-length mask of the cached context plus the new tokens)"
         )
-    mask = attention_mask[:, -T:].to(torch.bool)  # [B, T]
+    mask = (attention_mask if attention_mask.shape[1] == T else attention_mask[:, -T:]).to(torch.bool)  # [B, T]
     if tracing() or T == 1:
         # no host sync (under compile, and on every one-token decode step, which a CUDA graph may capture): an
         # all-ones mask stays a mask (every token real, the same result)
@@ -158,7 +158,7 @@ _MASK_VALUES_DEVICE_MESSAGE = (
 )
 
 
-def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) -> None:
+def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) -> Tensor | None:
     """Raise unless a 2-D ``[B, T]`` ``attention_mask`` is a padding mask: bool, or holding only 0 and 1.
 
     A float *additive* mask (0 keep, ``-inf`` / a large negative number for pads) reads as "every token is real
@@ -166,15 +166,23 @@ def check_mask_values(attention_mask: Tensor | None, on_device: bool = False) ->
     real tokens. One host read per call (``ValueError``; none for a bool mask); on the device while tracing or with
     ``on_device`` (:func:`safepad._tracing.device_check`: on CUDA a failure is a device-side assert that loses the
     process's CUDA context, so the caller checks on the host wherever that is free); other shapes pass.
+
+    The check compares the mask with its own truth value (``mask.to(bool) == mask``: only 0 and 1 equal theirs;
+    a NaN does not), and returns that bool copy ``[B, T]`` for the caller to reuse (the mask itself when bool;
+    None for other shapes or an empty mask).
     """
-    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2 or attention_mask.dtype == torch.bool:
-        return
+    if not isinstance(attention_mask, Tensor) or attention_mask.dim() != 2:
+        return None
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
     if attention_mask.numel() == 0:
-        return
-    ok = ((attention_mask == 0) | (attention_mask == 1)).all()
+        return None
+    real = attention_mask.to(torch.bool)  # [B, T]
+    ok = (real == attention_mask).all()  # (the bool promoted to the mask's dtype: 1 where nonzero)
     if on_device or tracing():  # a decode step, or traced: no host read (a RuntimeError carrying the message)
         device_check(ok, _MASK_VALUES_DEVICE_MESSAGE.format(dtype=attention_mask.dtype))
-        return
+        return real
     if not bool(ok):
         bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()
         raise ValueError(_MASK_VALUES_MESSAGE.format(dtype=attention_mask.dtype, what=repr(bad)))
+    return real

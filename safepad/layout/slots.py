@@ -44,28 +44,25 @@ def pads_first_order(mask: Tensor) -> Tensor:
 
 
 def justified_mask(n_real: Tensor, total: int) -> Tensor:
-    """``[B, total]`` bool: per row ``total - n_real`` pads, then ``n_real`` real slots (``n_real`` ``[B]``)."""
-    return torch.arange(total, device=n_real.device)[None] >= (total - n_real)[:, None]
+    """``[B, total]`` bool: per row ``total - n_real`` pads, then ``n_real`` real slots (``n_real`` ``[B]``, or
+    ``[B, 1]``). Slot ``j`` is real when ``total - 1 - j < n_real`` (one descending ``arange``, one compare)."""
+    n = n_real if n_real.dim() == 2 else n_real[:, None]  # [B, 1]
+    return torch.arange(total - 1, -1, -1, device=n_real.device) < n
 
 
-def step_relay_index(new_real: Tensor, B: int, H: int, S: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """What :func:`justify_kv` needs to re-lay ``[B, H, S, D]`` cached slots for a one-token step, whatever ``D``:
-    ``(pad [B, 1, 1] bool: the row's step token is a pad, flat index [B * H * S] into the slot rows)``; a row's
-    slots move right by one when its token is a pad, stay otherwise. Made once per call and cache shape (the keys
-    and values of every layer of that shape share it: ``new_real`` ``[B]``, the call's real tokens)."""
-    pad = (new_real < 1).to(device).view(B, 1, 1)  # [B, 1, 1]
-    rows = torch.arange(0, B * H * S, S, device=device).view(B, H, 1)  # [B, H, 1] first slot of each row
-    src = torch.arange(S, device=device).view(1, 1, S) - pad.long()  # [B, 1, S]; -1 only at slot 0 of a pad row
-    return pad, (rows + src.clamp_(min=0)).view(-1)
+def step_relay_index(real: Tensor, S: int) -> Tensor:
+    """``[B, S + 1]`` long: where each slot of ``[past ‖ new]`` (``S`` cached slots, then the step's one) comes
+    from after a one-token step, given ``real`` ``[B, 1]`` (bool or 0 / 1: the row's step token is real).
+
+    A real token's row stays as it is (slot ``j`` from ``j``); a pad's row moves right by one (slot ``j`` from
+    ``j - 1``: its last cached real slot ends in the step's column, the pad goes first), slot 0 keeping its own
+    (a pad slot of the justified layout, masked). Three ops: ``arange(-1, S) + real``, clamped at 0. The keys
+    and values of every layer with ``S`` cached slots share it (:meth:`SlotJustifiedCall.relay_step`).
+    """
+    return (torch.arange(-1, S, device=real.device) + real).clamp_(min=0)
 
 
-def justify_kv(
-    past: Tensor,
-    new: Tensor,
-    past_real: Tensor | None,
-    new_real: Tensor,
-    step_index: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
+def justify_kv(past: Tensor, new: Tensor, past_real: Tensor | None, new_real: Tensor) -> tuple[Tensor, Tensor]:
     """Re-lay ``[past ‖ new]`` so each row's pads come before all of its real slots.
 
     Args:
@@ -73,26 +70,25 @@ def justify_kv(
         new: ``[B, H, T, D]`` this call's keys, each row ``[pads | reals]`` (step 1 above).
         past_real: ``[B]`` real slots among the ``S`` stored ones, the last ones (each stored row
             ``[pads | reals]``); or ``[B, S]`` bool, which stored slots are real (a row laid out otherwise, e.g. by
-            a one-token step with a pad on a cache never re-laid: ``[reals | pad]``).
+            a one-token step with a pad on a cache never re-laid: ``[reals | pad]``). Not read for one new token
+            (``T == 1``): the stored rows are justified then.
         new_real: ``[B]`` real tokens among the ``T`` new ones (the last ones).
-        step_index: for one new token, :func:`step_relay_index` of this shape (made here when None); ``past_real``
-            is not read then (the stored rows are justified).
 
     Returns:
-        ``(past', new')`` of the same shapes: the stable partition of ``[past ‖ new]`` (pads first, zeroed),
-        split at ``S``. ``past'`` replaces the stored slots, ``new'`` goes through the cache's own update.
-        With one new token (``T == 1``) only the new pad slot is zeroed (the older ones are masked all the same),
-        and the re-lay is one row gather per tensor (``index_select`` of ``D``-wide slot rows, a row's slots moved
-        right by one when its token is a pad, identity otherwise): no sort, no host read, one pass over the cache
-        (a broadcast ``torch.where`` over it was 4x slower on CPU).
+        ``(past', new')`` of the same shapes: the stable partition of ``[past ‖ new]`` (pads first), split at
+        ``S``. ``past'`` replaces the stored slots, ``new'`` goes through the cache's own update. Pad slots hold
+        zeros, except with one new token (``T == 1``): then a pad row's slots move right by one
+        (:func:`step_relay_index`, one gather, no sort, no host read) and its first slot keeps what it held (a
+        pad slot, masked all the same). A decode step of a ``DynamicCache`` re-lays the concatenated slots after
+        the cache's own update instead (:meth:`SlotJustifiedCall.relay_step`): no concatenation of its own.
     """
     B, Hk, S, Dh = past.shape
     T = new.shape[2]
     if T == 1:  # one token (a decode step): a pad step token goes first, the row's slots move right by one
-        pad, index = step_relay_index(new_real, B, Hk, S, past.device) if step_index is None else step_index
-        out = past.reshape(B * Hk * S, Dh).index_select(0, index).view(B, Hk, S, Dh)
-        out.select(2, 0).masked_fill_(pad, 0)  # the pad's own slot [B, H, D]
-        return out, torch.where(pad[..., None], past[:, :, -1:], new)
+        full = torch.cat([past, new], dim=2)  # [B, H, S + 1, D]
+        index = step_relay_index(new_real.view(B, 1), S)  # [B, S + 1]
+        out = full.gather(2, index.view(B, 1, S + 1, 1).expand(full.shape))
+        return out[:, :, :S], out[:, :, S:]
     full = torch.cat([past, new], dim=2)  # [B, H, S + T, D]
     past_valid = past_real.to(torch.bool) if past_real.dim() == 2 else justified_mask(past_real, S)  # [B, S]
     valid = torch.cat([past_valid.to(new_real.device), justified_mask(new_real, T)], dim=1)  # [B, S + T]
@@ -126,13 +122,16 @@ def _plain_dynamic(layer) -> bool:
 
 
 class _JustifyingUpdate:
-    """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update."""
+    """``cache.update`` for one call: re-lay a layer's stored slots (:func:`justify_kv`) before the stock update.
+
+    A decode step re-lays after it instead: the stock update concatenates ``[past ‖ new]`` (its own op), and one
+    gather per tensor moves a pad row's slots right by one (:meth:`SlotJustifiedCall.relay_step`); the layer then
+    keeps the re-laid slots (all of them, or a sliding window's last ones, as its update kept them)."""
 
     def __init__(self, cache, call: SlotJustifiedCall):
         self.cache = cache
         self.original = type(cache).update.__get__(cache)
         self.call = call  # call.past_slots [B, L] bool: the real ones among the cached slots (read for a chunk only)
-        self.new_real = call.n_new  # [B]
         self.decode = call.decode  # a decode step: it re-lays only when its token is a pad (unknown on the host)
 
     def __call__(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
@@ -141,27 +140,32 @@ class _JustifyingUpdate:
         stored = 0 if keys is None or not getattr(layer, "is_initialized", False) else keys.shape[-2]
         if stored > 0:
             if not _plain_dynamic(layer):
-                if _no_pad_step(self.decode, self.new_real):
+                if _no_pad_step(self.decode, self.call.n_new):
                     return self.original(key_states, value_states, layer_idx, *args, **kwargs)
                 raise ValueError(
                     f"safepad: a cached call with padding after real tokens needs each attention layer's cached "
                     f"keys to be re-laid in place, which {type(layer).__name__} (layer {layer_idx}) does not allow. "
                     "Use a DynamicCache (the default), or pad on the left."
                 )
-            if keys.shape[0] != self.new_real.shape[0]:
-                raise ValueError(
-                    f"safepad: cache layer {layer_idx} holds {keys.shape[0]} rows but the call has "
-                    f"{self.new_real.shape[0]}"
-                )
-            if self.decode:  # one token: the stored rows are justified; one index for keys and values of this shape
-                index = self.call.step_index(keys.shape[:3], keys.device)
-                layer.keys, key_states = justify_kv(layer.keys, key_states, None, self.new_real, index)
-                layer.values, value_states = justify_kv(layer.values, value_states, None, self.new_real, index)
+            rows = self.call.full_mask.shape[0]
+            if keys.shape[0] != rows:
+                raise ValueError(f"safepad: cache layer {layer_idx} holds {keys.shape[0]} rows but the call has {rows}")
+            if self.decode and not getattr(layer, "record_past", False):
+                # one token: the stored rows are justified; the stock update's [past ‖ new], re-laid
+                full_k, full_v = self.original(key_states, value_states, layer_idx, *args, **kwargs)  # [B, H, S + 1, D]
+                full_k, full_v = self.call.relay_step(full_k, 2), self.call.relay_step(full_v, 2)
+                kept = layer.keys.shape[-2]  # S + 1, or a sliding window's last W - 1 of them
+                layer.keys = full_k if kept == full_k.shape[-2] else full_k[:, :, full_k.shape[-2] - kept :]
+                layer.values = full_v if kept == full_v.shape[-2] else full_v[:, :, full_v.shape[-2] - kept :]
+                return full_k, full_v
+            if self.decode:  # a layer recording its past (assisted generation): its stored slots re-laid first
+                layer.keys, key_states = justify_kv(layer.keys, key_states, None, self.call.n_new)
+                layer.values, value_states = justify_kv(layer.values, value_states, None, self.call.n_new)
                 return self.original(key_states, value_states, layer_idx, *args, **kwargs)
             # stored slots are the last `stored` of the `past_len` cached ones
             past_real = _last_slots(self.call.past_slots, stored)  # [B, stored]
-            layer.keys, key_states = justify_kv(layer.keys, key_states, past_real, self.new_real)
-            layer.values, value_states = justify_kv(layer.values, value_states, past_real, self.new_real)
+            layer.keys, key_states = justify_kv(layer.keys, key_states, past_real, self.call.n_new)
+            layer.values, value_states = justify_kv(layer.values, value_states, past_real, self.call.n_new)
         return self.original(key_states, value_states, layer_idx, *args, **kwargs)
 
 
@@ -176,7 +180,6 @@ class _JustifyingIndexerUpdate:
         self.cache = cache
         self.original = type(cache).update_indexer.__get__(cache)
         self.call = call  # call.past_slots [B, L] bool: the real ones among the cached slots
-        self.new_real = call.n_new  # [B]
         self.decode = call.decode
 
     def __call__(self, states: Tensor, layer_idx: int, *args, **kwargs):
@@ -185,17 +188,19 @@ class _JustifyingIndexerUpdate:
         stored = 0 if stored_keys is None or not getattr(layer, "is_indexer_initialized", False) else stored_keys.shape[1]
         if stored > 0:
             if type(layer).update_indexer is not _dynamic_indexer_update():
-                if _no_pad_step(self.decode, self.new_real):
+                if _no_pad_step(self.decode, self.call.n_new):
                     return self.original(states, layer_idx, *args, **kwargs)
                 raise ValueError(
                     f"safepad: a cached call with padding after real tokens needs the indexer state of layer "
                     f"{layer_idx} to be re-laid in place, which {type(layer).__name__} does not allow. Use a "
                     "DynamicCache (the default), or pad on the left."
                 )
-            past_real = None if self.decode else _last_slots(self.call.past_slots, stored)  # [B, stored]
-            index = self.call.step_index((stored_keys.shape[0], 1, stored), stored_keys.device) if self.decode else None
+            if self.decode:  # one token: the stock update's [past ‖ new] [B, S + 1, F], re-laid (it keeps them all)
+                layer.indexer_keys = self.call.relay_step(self.original(states, layer_idx, *args, **kwargs), 1)
+                return layer.indexer_keys
+            past_real = _last_slots(self.call.past_slots, stored)  # [B, stored]
             # [B, 1, S|T, F]
-            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.new_real, index)
+            past, new = justify_kv(stored_keys[:, None], states[:, None], past_real, self.call.n_new)
             layer.indexer_keys, states = past[:, 0], new[:, 0]
         return self.original(states, layer_idx, *args, **kwargs)
 
@@ -213,7 +218,7 @@ def _dynamic_indexer_update():
     return None if cls is None else cls.update_indexer
 
 
-def _justify_position_history(cache, call: SlotJustifiedCall, n_new: Tensor, T: int) -> Tensor | None:
+def _justify_position_history(cache, call: SlotJustifiedCall) -> Tensor | None:
     """Re-lay a cache layer's stored per-slot positions ``[K, B, S]`` (``indexer_position_ids``, Qwen4-Exp) now.
 
     The model concatenates them with the chunk's positions before any layer runs, so they must be in the
@@ -223,14 +228,14 @@ def _justify_position_history(cache, call: SlotJustifiedCall, n_new: Tensor, T: 
     (0 elsewhere), which the chunk's positions must carry there; None without a history.
     """
     moved = None
+    B, T = call.full_mask.shape[0], call.T
     for layer in getattr(cache, "layers", ()):
         hist = getattr(layer, "indexer_position_ids", None)
-        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != n_new.shape[0]:
+        if not isinstance(hist, Tensor) or hist.dim() != 3 or hist.shape[-1] == 0 or hist.shape[1] != B:
             continue
-        past_slots = call.past_slots
         S = hist.shape[-1]
         h = hist.permute(1, 0, 2)[..., None]  # [B, K, S, 1]
-        past, new = justify_kv(h, h.new_zeros(h.shape[0], h.shape[1], T, 1), _last_slots(past_slots, S), n_new)
+        past, new = justify_kv(h, h.new_zeros(B, h.shape[1], T, 1), _last_slots(call.past_slots, S), call.n_new)
         layer.indexer_position_ids = past[..., 0].permute(1, 0, 2).contiguous()  # [K, B, S]
         moved = new[..., 0].permute(1, 0, 2) if moved is None else moved  # [K, B, T]
     return moved
@@ -240,7 +245,8 @@ class SlotJustifiedCall:
     """One model call's re-layout (see the module docstring): reorder inputs, rewrite the mask, re-lay the cache.
 
     Args:
-        full_mask: ``[B, L + T]`` bool attention mask of the cached slots plus the current tokens.
+        full_mask: ``[B, L + T]`` bool attention mask of the cached slots plus the current tokens (a one-token
+            step's may be the caller's integer 0 / 1 mask: it is only summed and sliced).
         past_len: ``L``, the slots the cache already holds (0 without a cache).
         past_slots: ``[B, L]`` bool, which cached slots hold real tokens, where the cache rows are laid out as the
             caller's mask says (a cache no call has re-laid: after a one-token step with a pad, a row is
@@ -257,8 +263,10 @@ class SlotJustifiedCall:
             last ``T`` columns of ``mask`` when cached slots move into the chunk's columns.
         n_past / n_new: ``[B]`` real tokens among the cached slots / the current tokens.
         decode: a one-token call (``T == 1``): every decision above is a device tensor (no host read); ``noop`` is
-            False and ``relay`` is True whenever the cache holds slots (:func:`justify_kv` then moves only the
-            rows whose step token is a pad).
+            False and ``relay`` is True whenever the cache holds slots (:meth:`relay_step` then moves only the
+            rows whose step token is a pad). A step makes ``mask`` from one sum of the caller's mask (each row's
+            real slots, cached and new); ``token_mask``, ``n_past``, ``n_new`` and ``past_slots`` are made when
+            first read (a step on a ``DynamicCache`` reads none of ``n_past``, ``n_new``, ``past_slots``).
     """
 
     def __init__(
@@ -271,8 +279,10 @@ class SlotJustifiedCall:
     ):
         B, total = full_mask.shape
         T = total - past_len
-        self._step_index: dict = {}  # step_index's cache: (B, H, S, device) -> step_relay_index
+        self._step_src: dict = {}  # a step's step_relay_index per (S, device)
+        self._step_index: dict = {}  # ... expanded per (shape, dim, device): relay_step's gather index
         self._past_slots: Tensor | None = None
+        self._token_mask = self._n_past = self._n_new = None
         if T == 1:  # a decode step: every decision on the device (no host read); its cache rows are justified
             if past_slots is not None:
                 raise ValueError("safepad: a one-token SlotJustifiedCall re-lays a justified cache only (past_slots=None)")
@@ -283,13 +293,14 @@ class SlotJustifiedCall:
         cur = full_mask[:, past_len:]  # [B, T]
         self.n_past = full_mask[:, :past_len].sum(1)  # [B]
         self.n_new = cur.sum(1)  # [B]
-        self.mask = justified_mask(self.n_past + self.n_new, total)  # [B, L + T]
+        self._n_real = self.n_past + self.n_new  # [B]
+        self.mask = justified_mask(self._n_real, total)  # [B, L + T]
         self.token_mask = justified_mask(self.n_new, T)  # [B, T]: the current tokens, reordered
         if on_device:
             self._init_on_device(cur, past_slots)
             return
         self.noop = bool(torch.equal(self.mask, full_mask))
-        already = bool(torch.equal(cur, justified_mask(self.n_new, T)))
+        already = bool(torch.equal(cur, self.token_mask))
         self.order = None if already else pads_first_order(cur)  # [B, T]
         self.inverse = None if self.order is None else torch.argsort(self.order, dim=1)  # [B, T]
         justified_past = justified_mask(self.n_past, past_len)  # [B, L]
@@ -299,7 +310,7 @@ class SlotJustifiedCall:
         self.relay = past_len > 0 and (
             bool((self.n_new < T).any()) or not bool(torch.equal(self.past_slots, justified_past))
         )
-        self.decode = False
+        self.decode = self.real_step = False
         self._cache = None
         #: ``[K, B, T]`` stored positions of the cached slots moved into the chunk's columns (set by install)
         self.moved_positions: Tensor | None = None
@@ -315,28 +326,67 @@ class SlotJustifiedCall:
         justified_past = justified_mask(self.n_past, self.past_len)  # [B, L]
         self.past_slots = justified_past if past_slots is None else past_slots.to(torch.bool)  # [B, L]
         self.relay = self.past_len > 0
-        self.decode = False
+        self.decode = self.real_step = False
         self._cache = None
         self.moved_positions = None
 
     def _init_step(self, full_mask: Tensor, past_len: int, real_step: bool = False) -> None:
         """One token: it needs no reordering; the mask and pad counts are device tensors, and the cached slots
-        are re-laid whenever there are some (:func:`justify_kv` moves only the rows whose step token is a pad),
-        unless the caller knows on the host that every row's token is real (``real_step``: nothing moves)."""
+        are re-laid whenever there are some (:meth:`relay_step` moves only the rows whose step token is a pad),
+        unless the caller knows on the host that every row's token is real (``real_step``: nothing moves).
+        ``full_mask`` ``[B, L + 1]``: bool, or integer 0 / 1 (the caller's own, unconverted)."""
         self.past_len, self.T = past_len, 1
         self.full_mask = full_mask  # [B, L + 1]
-        self.n_past = full_mask[:, :past_len].sum(1)  # [B]
-        # (the last column: indexing with past_len, a symbolic size under dynamic shapes, would specialise it)
-        self.n_new = full_mask[:, -1].long()  # [B]: 1 for a real step token, 0 for a pad
-        self._past_slots = None  # [B, L]: the cache rows are [pads | reals] (made when read: past_slots)
-        self.mask = justified_mask(self.n_past + self.n_new, past_len + 1)  # [B, L + 1]
-        self.token_mask = full_mask[:, past_len:]  # [B, 1]
+        self._n_real = full_mask.sum(1, keepdim=True)  # [B, 1] long: each row's real slots, cached and new
+        self.mask = justified_mask(self._n_real, past_len + 1)  # [B, L + 1]
         self.noop = False  # (unknown without a host read: the justified mask is passed on)
         self.decode = True
+        self.real_step = real_step
         self.order = self.inverse = None
         self.relay = past_len > 0 and not real_step
         self._cache = None
         self.moved_positions = None
+
+    @property
+    def token_mask(self) -> Tensor:
+        """``[B, T]`` bool: the reordered current tokens' mask (a step's: the caller's last column, made when
+        first read; the last column, not ``past_len``, which is a symbolic size under dynamic shapes)."""
+        if self._token_mask is None:
+            self._token_mask = self.full_mask[:, -1:].to(torch.bool)  # [B, 1]
+        return self._token_mask
+
+    @token_mask.setter
+    def token_mask(self, value: Tensor) -> None:
+        self._token_mask = value
+
+    @property
+    def n_new(self) -> Tensor:
+        """``[B]`` long: real tokens among the current ones (a step's made when first read)."""
+        if self._n_new is None:
+            self._n_new = self.token_mask[:, 0].long()
+        return self._n_new
+
+    @n_new.setter
+    def n_new(self, value: Tensor) -> None:
+        self._n_new = value
+
+    @property
+    def n_past(self) -> Tensor:
+        """``[B]`` long: real tokens among the cached slots (a step's made when first read)."""
+        if self._n_past is None:
+            self._n_past = self._step_positions()[:, 0]
+        return self._n_past
+
+    @n_past.setter
+    def n_past(self, value: Tensor) -> None:
+        self._n_past = value
+
+    def _step_positions(self) -> Tensor:
+        """``[B, 1]`` long: a step's real tokens before its own, per row (all of its slots' real ones, less its
+        own token where that is real)."""
+        if self.real_step:
+            return self._n_real - 1
+        return torch.add(self._n_real, self.token_mask, alpha=-1)
 
     @property
     def past_slots(self) -> Tensor:
@@ -350,19 +400,37 @@ class SlotJustifiedCall:
     def past_slots(self, value: Tensor) -> None:
         self._past_slots = value
 
-    def step_index(self, shape: tuple[int, int, int], device: torch.device) -> tuple[Tensor, Tensor]:
-        """:func:`step_relay_index` for cached slots of ``shape`` ``(B, H, S)`` on ``device``: made once per call
-        and shape, shared by the keys and values of every layer of that shape (eager; traced, made for each)."""
-        if tracing():  # sizes may be symbolic: a dict key would specialise them (one recompile per decode step)
-            return step_relay_index(self.n_new, *shape, device)
-        key = (*shape, device)
-        if key not in self._step_index:
-            self._step_index[key] = step_relay_index(self.n_new, *shape, device)
-        return self._step_index[key]
+    def relay_step(self, full: Tensor, dim: int) -> Tensor:
+        """A decode step's re-lay of one layer's concatenated slots ``[past ‖ new]``: ``full`` with ``S + 1``
+        slots along ``dim`` (keys / values ``[B, H, S + 1, D]``, ``dim`` 2; indexer keys ``[B, S + 1, F]``,
+        ``dim`` 1), a pad row's slots moved right by one (:func:`step_relay_index`), one gather.
+
+        The index is made once per call and shape (eager; traced, for each: a dict key would specialise
+        symbolic sizes), shared by the keys and values of every layer of that shape."""
+        shape, device = tuple(full.shape), full.device
+        if tracing():
+            return full.gather(dim, self._step_gather_index(shape, dim, device))
+        key = (shape, dim, device)
+        index = self._step_index.get(key)
+        if index is None:
+            index = self._step_index[key] = self._step_gather_index(shape, dim, device)
+        return full.gather(dim, index)
+
+    def _step_gather_index(self, shape: tuple, dim: int, device: torch.device) -> Tensor:
+        """:func:`step_relay_index` for ``S + 1 = shape[dim]`` slots, viewed and expanded to ``shape``."""
+        S = shape[dim] - 1
+        src = None if tracing() else self._step_src.get((S, device))
+        if src is None:
+            src = step_relay_index(self.token_mask.to(device), S)  # [B, S + 1]
+            if not tracing():
+                self._step_src[(S, device)] = src
+        view = [shape[0]] + [1] * (len(shape) - 1)
+        view[dim] = S + 1
+        return src.view(view).expand(shape)
 
     def pads(self) -> Tensor:
         """``[B]`` long: pad slots per row in the justified layout (the cache's, once the call has run)."""
-        return self.mask.shape[1] - self.n_past - self.n_new
+        return (self.mask.shape[1] - self._n_real).view(-1)
 
     def reorder(self, x: Tensor) -> Tensor:
         """``[B, T, ...]`` (or ``[1, T, ...]``, expanded) current-token tensor in the justified order."""
@@ -410,7 +478,12 @@ class SlotJustifiedCall:
 
         The chunk's leading pad columns get the positions of the cached real tokens that the re-lay moves into
         those slots (a pad query's position changes no real output; a moved key keeps its own), others 1.
+        A one-token step's position is the row's cached real tokens ``n_past``, its token a pad or not: a pad
+        query changes no real output, and the key its column holds after the re-lay is the row's last cached
+        one, rotated at its own position when it was cached (the step's own pad key is dropped).
         """
+        if self.decode:
+            return self._step_positions()  # [B, 1]
         full = self.mask[:, -self.T :]  # [B, T] real slots of the chunk's columns after the re-lay
         before = self.n_past + self.n_new - full.sum(1)  # [B] real slots before the chunk's columns
         pos = before[:, None] + full.long().cumsum(1) - 1
@@ -427,7 +500,7 @@ class SlotJustifiedCall:
                 f"safepad: a cached call with padding after real tokens needs a transformers Cache with layers "
                 f"(DynamicCache), got {type(cache).__name__}"
             )
-        self.moved_positions = _justify_position_history(cache, self, self.n_new, self.T)
+        self.moved_positions = _justify_position_history(cache, self)
         cache.update = _JustifyingUpdate(cache, self)
         if hasattr(type(cache), "update_indexer"):
             cache.update_indexer = _JustifyingIndexerUpdate(cache, self)

@@ -99,6 +99,10 @@ class CallFacts:
     generated: bool
     #: eager calls with a cache: the tokens it holds (one read per call); None: no cache, traced, or it cannot tell
     past: int | None
+    #: ``mask`` as bool ``[B, M]`` (``mask`` itself when bool), made once by the value check
+    #: (:func:`~safepad.layout.masks.check_mask_values`) for the rest of the call; None where no check made it
+    #: (inside the model's wrapped ``generate``, no 2-D mask)
+    real: torch.Tensor | None = None
 
 
 def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
@@ -113,11 +117,13 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
     attention_mask = kwargs.get("attention_mask")
     mask = two_d_mask(attention_mask)
     checked = not traced and mask_checked_by_generate(module)
+    real = None
     if not checked:
         # eager: on the host (a clear ValueError), but on the device for a one-token step (no host sync per decode
         # step; on CUDA a failure loses the context). Inside the model's wrapped generate, which checked the
-        # caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones
-        check_mask_values(mask, on_device=T == 1)
+        # caller's mask on the host, nothing: every mask it hands in is that one, sliced or extended with ones.
+        # (the check's bool copy of the mask serves the rest of the call)
+        real = check_mask_values(mask, on_device=T == 1)
         # a 4-D mask hiding pads / boundaries reaches attention only: refused (one host read; traced: on the device)
         check_four_d_mask(attention_mask, type(module).__name__)
     past = None
@@ -138,6 +144,7 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
         checked_by_generate=checked,
         generated=not traced and generated_step(module, T, mask),
         past=past,
+        real=real,
     )
 
 

@@ -218,14 +218,13 @@ class _ModelPreHook:
         else:
             past = facts.past  # (the cache's length, read once per call: safepad.wrap.entry)
             # cached calls with padding after real tokens keep every cache row [pads | real tokens] (any family)
-            args, kwargs = slot_justify(module, plan, args, kwargs, B, T, past)
+            args, kwargs = slot_justify(module, plan, args, kwargs, B, T, past, facts.real)
             T = _first_tensor(args, kwargs, ("input_ids", "inputs_embeds"), params).shape[1]  # generate's cut
             # a static cache's count after this call, known on the host (settled by the post-hook): no read next call
             module._safepad.counts[:] = [expect_count(cache, past, T)] if past is not None else []
             record = module._safepad.slot_calls[-1]
-            token_mask = record.call.token_mask if record is not None and record.call is not None else None
-            if generated:
-                token_mask = None  # [B, 1] all real
+            # (generate's own step: [B, 1] all real, not read)
+            token_mask = None if generated or record is None or record.call is None else record.call.token_mask
         mask = two_d_mask(kwargs.get("attention_mask")) if token_mask is None else token_mask
         mask2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
         # eager only: an all-ones mask carries no padding (one host read); a one-token step keeps its 2-D mask unread
@@ -275,7 +274,7 @@ class _ModelPreHook:
         if traced and seq_idx is None:  # eager: slot_justify gave the cached call its positions
             _traced_cache_positions(module, plan, args, kwargs, T, two_d_mask(kwargs.get("attention_mask")), ids)
         # [B, 1]: a pad step token (unknown on the host outside generate: the mixers hold such rows' states)
-        decode_mask = mask[:, -1:].to(torch.bool) if T == 1 and mask2d and not generated else None
+        decode_mask = _step_token_mask(mask, facts) if T == 1 and mask2d and not generated else None
         padding_mask = mask if padding and seq_idx is None and not generated else None
         token = enter_call(
             CallContext(
@@ -344,6 +343,17 @@ class _ModelPreHook:
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m.to(keep.device)
         kwargs["attention_mask"] = None if keep is None else keep.to(torch.long)
+
+
+def _step_token_mask(mask: torch.Tensor, facts) -> torch.Tensor:
+    """``[B, 1]`` bool: a one-token call's last mask column (``mask`` ``[B, M]``), taken from the bool copy the
+    value check made when ``mask`` is the caller's (:class:`~safepad.wrap.entry.CallFacts`), as it is when it is
+    a bool ``[B, 1]`` already (a re-laid step's token mask)."""
+    if mask.dtype == torch.bool and mask.shape[1] == 1:
+        return mask
+    if mask is facts.mask and facts.real is not None:
+        mask = facts.real
+    return mask[:, -1:].to(torch.bool)
 
 
 def _require_no_packed_cache(ok: torch.Tensor | bool, source: str) -> None:

@@ -64,11 +64,20 @@ def _decode_step(
 
 
 def slot_justify(
-    module: nn.Module, plan: ModelPlan, args: tuple, kwargs: dict, B: int, T: int, past_len: int | None = None
+    module: nn.Module,
+    plan: ModelPlan,
+    args: tuple,
+    kwargs: dict,
+    B: int,
+    T: int,
+    past_len: int | None = None,
+    real: torch.Tensor | None = None,
 ):
     """Keep the slot-justified cache layout (``safepad.layout.slots``) for this call; returns ``(args, kwargs)``.
 
-    ``past_len``: the tokens the call's cache holds when the caller read it already (else read here)."""
+    ``past_len``: the tokens the call's cache holds when the caller read it already (else read here). ``real``:
+    the call's ``attention_mask`` as bool, when the caller made that already (the value check's,
+    :class:`~safepad.wrap.entry.CallFacts`); read only where the mask is still of its shape."""
     params = plan.params
     if any(isinstance(_arg(args, kwargs, params, n), torch.Tensor) for n in _PACKED_NAMES):
         return args, kwargs  # packed rows: the packed policy applies (no cache)
@@ -103,9 +112,14 @@ def slot_justify(
         and not getattr(cache, _RELAID_FLAG, False)
     ):
         return _decode_step(module, plan, args, kwargs, B, mask, past_len)
-    m = mask.to(torch.bool)
     # a one-token step on a re-laid cache or with slot-counting attention: decided on the device (SlotJustifiedCall)
     step = T == 1 and wanted and past_len > 0 and mask.shape[1] == past_len + 1
+    if real is not None and real.shape == mask.shape:
+        m = real  # [B, M] bool, the value check's
+    elif step and read and not mask.is_floating_point():
+        m = mask  # [B, L + 1] bool or 0 / 1 integers (checked): SlotJustifiedCall sums it as it is, no bool copy
+    else:
+        m = mask.to(torch.bool)
     if not read:
         # no cache, or only the config default's in a training step (nobody reads it): the caller's layout, unless
         # a hybrid's row has a pad between real tokens (a hole). Its attention would count the hole in its rotary
@@ -164,8 +178,8 @@ def slot_justify(
     for check in plan.slot_checks:
         check(module, call.mask)
     record = SlotRecord(None, (B, T), None, flagged if step else not bool(call.mask.all()), restore=generating is None)
-    if step:
-        record.pads = call.pads()  # [B]
+    if step and not real_step:  # (generate's own step adds no pad slot: the cache keeps what it had)
+        record.pads = call.mask  # [B, L + 1] bool, the cache's slots after the step (False: a pad): no count made
     record.cache = cache
     module._safepad.slot_calls[-1] = record
     position_ids = _arg(args, kwargs, params, "position_ids")
@@ -221,7 +235,8 @@ def slot_justify(
         return (), named
     # (replaced position_ids are in the justified order already)
     _reorder_inputs(call, named, B, T, ("attention_mask", "labels") + (("position_ids",) if replace_positions else ()))
-    named["attention_mask"] = call.mask.to(mask.dtype)
+    named["attention_mask"] = call.mask if step else call.mask.to(mask.dtype)  # [B, L + T] (a step: bool, as the
+    # model reads a 2-D mask: no cast here, none in its mask construction)
     if call.order is not None:
         _defer_logits_to_keep(named, record)  # every position, put back in order, then the kept ones (post-hook)
     # (attention weights address cache slots even when the chunk keeps its order; a step's other outputs need no
@@ -235,11 +250,13 @@ def slot_justify(
 
 
 def _holds_step_pads(cache) -> bool:
-    """Does ``cache`` hold pad slots that an eager decode step put there (one host read; a call without a mask)?"""
+    """Does ``cache`` hold pad slots that a decode step put there (one host read; a call without a mask)? The
+    record (:data:`~safepad.wrap.slot_record._PADS_ATTR`) is an eager step's justified mask ``[B, N]`` bool, or a
+    traced call's pad count per row ``[B]`` long."""
     pads = getattr(cache, _PADS_ATTR, None)
     if not isinstance(pads, torch.Tensor):
         return False
-    if bool(pads.any()):
+    if bool((~pads).any() if pads.dtype == torch.bool else pads.any()):
         return True
     cache.__dict__.pop(_PADS_ATTR, None)  # none: a call without a mask adds none either, read no more
     return False

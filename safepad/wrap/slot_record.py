@@ -35,8 +35,9 @@ _PADDED_FLAG = "_safepad_padded_slots"
 #: marks a cache whose rows an eager call re-laid (pads moved, or a decode step's device re-lay): its later calls
 #: are re-laid too, traced ones on the device (traced_slot_step)
 _RELAID_FLAG = "_safepad_relaid_slots"
-#: ``[B]`` long device tensor on a cache: pad slots per row after an eager decode step re-laid on the device (the
-#: host never read whether the step token was a pad); a later call without an attention_mask checks it
+#: device tensor on a cache: its pad slots after a decode step re-laid on the device (the host never read whether
+#: the step token was a pad), an eager step's justified mask ``[B, N]`` bool (False: a pad; no count made per step)
+#: or a traced call's pad count per row ``[B]`` long; a later call without an attention_mask checks it
 _PADS_ATTR = "_safepad_slot_pads"
 #: ``[K, B, 1]`` added to the ``[K, B, T]`` position_ids generate() extends from a right-padded prompt's last column
 _SHIFT_ATTR = "_safepad_position_shift"
@@ -81,7 +82,7 @@ class SlotRecord:
         # the caller asked for a tuple (return_dict=False, or a config that returns tuples): the forward returns a
         # ModelOutput, whose fields are named (slot_restore puts each back by its name), and to_tuple() is returned
         self.as_tuple = False
-        # [B] long pad slots per row of the cache after a decode step (device; kept with the cache by slot_restore)
+        # the cache's pad slots after a decode step (device; kept with the cache by slot_restore): _PADS_ATTR
         self.pads = None
         # the cache handed in: marked re-laid / padded when the output carries none (RecurrentGemma)
         self.cache = None

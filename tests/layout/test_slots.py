@@ -81,7 +81,9 @@ def test_decode_step_decides_on_the_device():
     assert n == 0 and call.decode and call.relay and call.order is None
     assert call.mask.tolist() == [[False, False, True, True, True], [False, True, True, True, True],
                                   [False, False, False, True, True]]
-    assert call.position_ids().tolist() == [[2], [3], [1]]  # row 2's step token is a pad: position 1
+    # each row's cached real tokens; row 2's step token is a pad (its query changes no real output, and its column
+    # holds the row's last cached key after the re-lay, rotated when it was cached)
+    assert call.position_ids().tolist() == [[2], [3], [2]]
     assert call.pads().tolist() == [2, 1, 3]
 
 
@@ -109,3 +111,67 @@ def test_call_re_lays_a_cached_layout_that_is_not_justified():
     assert call.mask.tolist() == [[False, True, True, True]]
     assert call.position_ids().tolist() == [[1, 2]]
     assert not SlotJustifiedCall(full, past_len=2).relay  # read as justified ([pad, real]) nothing would move
+
+
+def _step_cache(n_layers: int, past: torch.Tensor):
+    """A DynamicCache of ``n_layers`` layers, each holding ``past`` ``[B, H, S, D]`` as keys and ``-past`` as values."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i in range(n_layers):
+        cache.update(past.clone(), -past, i)
+    return cache
+
+
+def _step_batch():
+    """Justified cached rows ``[pads | reals]`` (3, 1, 0 and 4 real of 4) and a step whose token is a pad in rows
+    1 and 3: ``(past [B, H, S, D], new [B, H, 1, D], full mask [B, S + 1], n_past [B], n_new [B])``, float64."""
+    g = torch.Generator().manual_seed(11)
+    n_past, n_new = torch.tensor([3, 1, 0, 4]), torch.tensor([1, 0, 1, 0])
+    past = torch.randn(4, 2, 4, 3, generator=g, dtype=torch.float64)
+    new = torch.randn(4, 2, 1, 3, generator=g, dtype=torch.float64)
+    full = torch.cat([justified_mask(n_past, 4), n_new[:, None].bool()], 1)  # [B, S + 1]
+    return past, new, full, n_past, n_new
+
+
+def test_a_decode_step_re_lays_each_layer_as_the_reference():
+    """A one-token step on a DynamicCache: every layer's keys and values become the stable partition of
+    ``[past ‖ new]`` (the per-row Python reference) on each real slot of the justified mask, a pad step's row
+    moved right by one (its pad first, its own key dropped)."""
+    past, new, full, n_past, n_new = _step_batch()
+    cache = _step_cache(2, past)
+    call = SlotJustifiedCall(full, past_len=4)
+    call.install(cache)
+    try:
+        for i in range(2):
+            keys, values = cache.update(new.clone(), -new, i)
+            want = torch.cat(_ref_justify(past, new, n_past, n_new), 2)  # [B, H, S + 1, D]
+            real = call.mask[:, None, :, None]  # [B, 1, S + 1, 1]
+            for got, sign in ((keys, 1), (values, -1)):
+                assert torch.equal(got.where(real, 0.0), sign * want)
+            assert cache.layers[i].keys is keys and cache.layers[i].values is values
+    finally:
+        call.uninstall()
+
+
+def test_a_decode_step_re_lay_costs_each_layer_one_gather_per_tensor():
+    """The step's re-lay index is made once per call and shape; each further layer of that shape costs its stock
+    update's two concatenations and one gather for its keys, one for its values: nothing else."""
+    from safepad.testing.launches import count_ops
+
+    past, new, full, _, _ = _step_batch()
+
+    def step(n_layers: int):
+        cache = _step_cache(n_layers, past)
+        call = SlotJustifiedCall(full, past_len=4)
+        call.install(cache)
+        try:
+            return count_ops(lambda: [cache.update(new.clone(), -new, i) for i in range(n_layers)]).ops
+        finally:
+            call.uninstall()
+
+    one, three = step(1), step(3)
+    extra = three.copy()
+    extra.subtract(one)
+    extra.subtract({"aten.clone": 2, "aten.neg": 2})  # the test's own inputs
+    assert {k: v for k, v in extra.items() if v} == {"aten.cat": 4, "aten.gather": 4}, extra
