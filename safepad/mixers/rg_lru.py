@@ -34,9 +34,9 @@ from torch import Tensor
 from .._tracing import tracing
 from ..cache import read_states, write_states
 from ..context import context_padding_mask, current_context
-from ..ops.conv import causal_conv1d, causal_conv1d_step
+from ..ops.conv import causal_conv1d
 from ..ops.rg_lru import rg_lru, rg_lru_step
-from .common import hold_masked_rows, pop_cache, prepare_layout
+from .common import cached_conv_step, hold_masked_rows, pop_cache, prepare_layout
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +184,7 @@ def rg_lru_block_forward(
     y_branch = self.act_fn(self.linear_y(hidden))  # [B, T, W]
     x_branch = self.linear_x(hidden)  # [B, T, W]
     conv = self.conv_1d
-    weight = conv.weight.squeeze(1)  # [W, 1, K] -> [W, K]
-    K = weight.shape[-1]
+    K = conv.weight.shape[-1]  # [W, 1, K]
     lru = self.rg_lru
     params = (lru.input_gate_weight, lru.input_gate_bias, lru.recurrent_gate_weight, lru.recurrent_gate_bias,
               lru.recurrent_param)
@@ -197,17 +196,17 @@ def rg_lru_block_forward(
     started = _rows_started(cache, idx, B) if past.has_previous else None  # [B] bool, or None: every row
 
     if past.has_previous and T == 1:
-        u, conv_new = causal_conv1d_step(x_branch[:, 0], past.conv, weight, conv.bias, backend=backend)  # [B, W]
+        u, conv_new = cached_conv_step(x_branch, conv, past, activation=None, backend=backend)  # [B, 1, W]
         conv_new = hold_masked_rows(mask, conv_new, past.conv)  # [B, W, K-1]
         h, rec_new = rg_lru_step(
-            u, past.recurrent, *params, c=c, token_mask=None if mask is None else mask[:, 0], started=started
+            u[:, 0], past.recurrent, *params, c=c, token_mask=mask, started=started  # mask [B, 1]
         )
         h = h[:, None]  # [B, 1, W]
     else:
         want = cache is not None
         out = causal_conv1d(
-            x_branch, weight, conv.bias, seq_idx=layout.seq_idx, initial_state=past.conv, token_mask=mask,
-            return_final_state=want, state_len=max(K - 1, 1), backend=backend,
+            x_branch, conv.weight.squeeze(1), conv.bias, seq_idx=layout.seq_idx, initial_state=past.conv,  # [W, K]
+            token_mask=mask, return_final_state=want, state_len=max(K - 1, 1), backend=backend,
         )
         u, conv_new = out if want else (out, None)  # [B, T, W], [B, W, K-1]
         out = rg_lru(

@@ -81,8 +81,9 @@ def _prepare(input_gate_weight: Tensor, input_gate_bias: Tensor, recurrent_gate_
     """The gate parameters in ``ct`` as :func:`_gates` takes them: ``(w [H, P, 2P]`` both gates' blocks side by side
     (input gate first), ``b [H, 1, 2P]`` their biases, ``k [H, P] = -c softplus(Λ)``)."""
     H, P = input_gate_bias.shape
-    w = torch.cat([input_gate_weight.to(ct), recurrent_gate_weight.to(ct)], dim=-1)  # [H, P, 2P]
-    b = torch.cat([input_gate_bias.to(ct), recurrent_gate_bias.to(ct)], dim=-1).unsqueeze(1)  # [H, 1, 2P]
+    # (stacked, then widened: one cast of each stack, exact, not one per parameter)
+    w = torch.cat([input_gate_weight, recurrent_gate_weight], dim=-1).to(ct)  # [H, P, 2P]
+    b = torch.cat([input_gate_bias, recurrent_gate_bias], dim=-1).to(ct).unsqueeze(1)  # [H, 1, 2P]
     k = F.softplus(recurrent_param.to(ct)).reshape(H, P) * -c  # [H, P]
     return w, b, k
 
@@ -291,7 +292,8 @@ def rg_lru_step(
 ) -> tuple[Tensor, Tensor]:
     """One decode token: ``x [B, W]``, ``state [B, W]`` -> ``(y [B, W]`` x's dtype, ``new_state [B, W])``.
 
-    ``token_mask`` ``[B]`` bool (True = real): a masked row keeps its state (its ``y`` means nothing).
+    ``token_mask`` ``[B]`` (or a decode step's ``[B, 1]``) bool (True = real): a masked row keeps its state (its
+    ``y`` means nothing).
     ``started`` ``[B]`` bool: whether the row's state has read a real token; a row that has not starts from a reset
     (``h = i * x``, as the row's first token alone).
     """
@@ -302,15 +304,16 @@ def rg_lru_step(
     N, W = x.shape
     params = (input_gate_weight, input_gate_bias, recurrent_gate_weight, recurrent_gate_bias, recurrent_param)
     H, P = _check_params(W, *params)
-    if token_mask is not None and tuple(token_mask.shape) != (N,):
-        raise ValueError(f"token_mask must have shape [batch] = [{N}], got {tuple(token_mask.shape)}")
+    if token_mask is not None and tuple(token_mask.shape) not in ((N,), (N, 1)):
+        raise ValueError(f"token_mask must have shape [batch] = [{N}] or [{N}, 1], got {tuple(token_mask.shape)}")
     if started is not None and tuple(started.shape) != (N,):
         raise ValueError(f"started must have shape [batch] = [{N}], got {tuple(started.shape)}")
     ct = torch.float64 if torch.float64 in (x.dtype, input_gate_weight.dtype, state.dtype) else torch.float32
     xc = x.to(ct)
     keep = None
     if token_mask is not None:
-        keep = token_mask.bool()[:, None]  # [B, 1]
+        keep = token_mask.bool()
+        keep = keep if keep.dim() == 2 else keep[:, None]  # [B, 1]
         xc = torch.where(keep, xc, 0.0)  # a NaN at a masked row reaches no gate (nor a gradient)
     gated, a, mult = _gates(xc.reshape(N, H, P), *_gate_params(params, ct, c))  # [B, H, P] each
     s = state.to(ct)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["VIEW_OPS", "OpCount", "OpCounter", "count_ops", "decode_step_ops", "generate_step_ops"]
+__all__ = [
+    "VIEW_OPS", "OpCount", "OpCounter", "count_ops", "cuda_precision_policy", "decode_step_ops", "generate_step_ops",
+]
 
 #: aten ops (overload packet names) that only make a view or read metadata: no kernel on CUDA
 VIEW_OPS: frozenset[str] = frozenset(
@@ -116,6 +119,29 @@ def count_ops(fn: Callable[[], Any]) -> OpCount:
     with OpCounter() as counter:
         result = fn()
     return OpCount(result, counter.count, counter.ops)
+
+
+@contextmanager
+def cuda_precision_policy() -> Iterator[None]:
+    """Run half-precision CPU code under the precision policy it has on CUDA, so that its ops count as CUDA's.
+
+    On CPU a bf16 / fp16 model computes two things wider than on CUDA (docs/limits.md, "Precision policy"): the SSD
+    and the gated delta rule take float64 inputs (CUDA: float32 / the model dtype), and sdpa attention runs in
+    float64 (CUDA: stock sdpa). Their casts are CPU-only ops, no CUDA launch. Inside this block the policy reads
+    the device as CUDA (``safepad.ops.precision.device_type``) and attention is not upcast; a model wrapped or
+    called inside it dispatches the ops its CUDA path would (the values then differ from the CPU policy's by
+    rounding: count with it, do not compare outputs). Stock models are unaffected (they have no such policy).
+    """
+    from ..ops import precision
+    from ..wrap import attention, hooks
+
+    saved = (precision.device_type, attention.upcast_needed, hooks.upcast_needed)
+    precision.device_type = lambda x: "cuda"
+    attention.upcast_needed = hooks.upcast_needed = lambda model, inputs=None: False
+    try:
+        yield
+    finally:
+        precision.device_type, attention.upcast_needed, hooks.upcast_needed = saved
 
 
 def decode_step_ops(

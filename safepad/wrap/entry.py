@@ -134,7 +134,7 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
         except ValueError:  # a cache that cannot tell its length: the model's forward (or slot_justify) raises it
             past = None
         if kwargs.get("use_cache") is not False:
-            _follow_mask_history(module, cache, mask, T, past, checked)
+            _follow_mask_history(module, cache, mask, T, past, checked, real)
     return CallFacts(
         ids=ids,
         shape=(B, T),
@@ -148,7 +148,9 @@ def read_call(module: nn.Module, kwargs: dict, ids: torch.Tensor) -> CallFacts:
     )
 
 
-def _follow_mask_history(module: nn.Module, cache: Any, mask: Any, T: int, past: int | None, checked: bool) -> None:
+def _follow_mask_history(
+    module: nn.Module, cache: Any, mask: Any, T: int, past: int | None, checked: bool, real: Any = None
+) -> None:
     """An eager cached call's 2-D mask must keep the columns its cache (holding ``past`` tokens; None: it cannot
     tell) has read (:mod:`safepad.wrap.mask_history`): checked on the host for a chunk, on the device for a one-token
     step outside ``generate``; inside the model's wrapped ``generate`` (whose masks never edit history) the record is
@@ -156,4 +158,4 @@ def _follow_mask_history(module: nn.Module, cache: Any, mask: Any, T: int, past:
     if checked:
         forget_mask_history(cache)
     elif past is not None:
-        check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1)
+        check_mask_history(type(module).__name__, cache, mask, T, past, step=T == 1, real=real)

@@ -62,11 +62,14 @@ def _edit_error(model: str, now: torch.Tensor, before: torch.Tensor, offset: int
     )
 
 
-def check_mask_history(model: str, cache: Any, mask: Any, T: int, past: int, *, step: bool) -> None:
+def check_mask_history(
+    model: str, cache: Any, mask: Any, T: int, past: int, *, step: bool, real: torch.Tensor | None = None
+) -> None:
     """Compare a cached call's 2-D ``mask`` ``[B, M]`` (``M - T`` columns of cached tokens, then the call's ``T``)
     with what ``cache`` (holding ``past`` tokens) has read, then record the ``past + T`` columns it will hold.
 
     ``step``: a one-token step outside ``generate`` (checked on the device: no host sync); otherwise on the host.
+    ``real``: ``mask`` as bool when the caller has it already (the value check's copy, ``[B, M]``).
     Raises ``ValueError`` naming the first edited row and column (on CUDA a failed step check is a device-side
     assert instead). A cache without a ``__dict__`` (or no 2-D mask) is left alone.
     """
@@ -77,7 +80,7 @@ def check_mask_history(model: str, cache: Any, mask: Any, T: int, past: int, *, 
         return
     B, M = mask.shape
     K = M - T  # cached columns the mask covers
-    m = mask.to(torch.bool)
+    m = real if real is not None and real.shape == mask.shape and real.dtype == torch.bool else mask.to(torch.bool)
     if m is mask:
         m = mask.clone()  # the caller may write into its mask buffer in place later
     rec = cache.__dict__.get(MASK_ATTR)
