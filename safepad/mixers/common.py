@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -188,34 +187,12 @@ def cached_conv(
     return y, (state.to(x.dtype) if state is not None else None)
 
 
-#: conv module -> (its weight ``[D, 1, K]``, that weight's data pointer, the ``[D, K]`` view of it the decode step
-#: reads). A view shares its parameter's storage, so in-place updates (an optimizer step, ``load_state_dict``, a
-#: PEFT merge through ``.data``) reach it as they are; a new parameter or new storage (``module.weight = ...``,
-#: ``weight.data = ...``, accelerate's offload) misses the entry and makes a new view
-_STEP_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _step_weight(conv: torch.nn.Conv1d) -> Tensor:
-    """The depthwise conv's weight as ``[D, K]``, one view per weight storage instead of one per decode step (eager,
-    outside autograd; traced or differentiated, a fresh view: the step's graph must reach the parameter)."""
-    w = conv.weight  # [D, 1, K]
-    if tracing() or type(w) not in (torch.nn.Parameter, torch.Tensor) or (w.requires_grad and torch.is_grad_enabled()):
-        return w.squeeze(1)
-    hit = _STEP_WEIGHTS.get(conv)
-    ptr = w.data_ptr()
-    if hit is not None and hit[0] is w and hit[1] == ptr and hit[2].shape == (w.shape[0], w.shape[2]):
-        return hit[2]
-    view = w.squeeze(1)  # [D, K]
-    _STEP_WEIGHTS[conv] = (w, ptr, view)
-    return view
-
-
 def cached_conv_step(
     x: Tensor, conv: torch.nn.Conv1d, past, *, activation: str | None, backend: str
 ) -> tuple[Tensor, Tensor]:
     """One decode token through the conv: ``x`` ``[B, D]`` or ``[B, 1, D]`` -> (``y`` shaped as ``x``, new conv
     state ``[B, D, K]``)."""
-    return causal_conv1d_step(x, past.conv, _step_weight(conv), conv.bias, activation=activation, backend=backend)
+    return causal_conv1d_step(x, past.conv, conv.weight.squeeze(1), conv.bias, activation=activation, backend=backend)
 
 
 def hold_masked_rows(mask: Tensor | None, new: Tensor, old: Tensor | None) -> Tensor:

@@ -73,12 +73,12 @@ def _step(conv, x, state):
     ],
 )
 def test_step_weight_follows_every_weight_change(change):
-    """The decode step's [D, K] weight view is made once per weight storage: after any change of the weight the step
-    computes with the new weight (float64 reference), never a stale one."""
+    """After any change of the weight the decode step computes with the new weight (float64 reference), never a
+    stale one."""
     conv = _conv()
     x, state = _inputs()
     torch.testing.assert_close(_step(conv, x, state), _ref_step(x, state, conv.weight, conv.bias), rtol=0, atol=1e-12)
-    _step(conv, x, state)  # the second step reads the kept view
+    _step(conv, x, state)  # a second step before the change
     new = torch.randn_like(conv.weight)
     with torch.no_grad():
         if change == "inplace":
@@ -95,8 +95,8 @@ def test_step_weight_follows_every_weight_change(change):
 
 
 def test_step_weight_under_autograd_reaches_the_parameter():
-    """With autograd on, the step's weight is a fresh view of the parameter: its gradient (float64 reference:
-    d sum(y) / d w_k = sum over rows of the window) arrives, even after no-grad steps kept a view."""
+    """With autograd on, the step's weight gradient (float64 reference: d sum(y) / d w_k = sum over rows of the
+    window) arrives, after no-grad steps too."""
     conv = _conv()
     x, state = _inputs()
     _step(conv, x, state)
